@@ -1,0 +1,24 @@
+"""logra-optim: LLM RL post-training with low-rank gradient sketches (LoGRA).
+
+Two lines turn a PyTorch training script into a LoGRA one::
+
+    from logra_optim import LoGRAOptimizer, patch_model
+    opt = LoGRAOptimizer(patch_model(model), rank=256)
+"""
+
+from .optimizer import LoGRAOptimizer
+from .patching import DEFAULT_TARGET_NAMES, find_target_modules, patch_model, patched_modules, unpatch_model
+from .projection import canonical_name, make_projection, projection_seed
+
+__all__ = [
+    "DEFAULT_TARGET_NAMES",
+    "LoGRAOptimizer",
+    "canonical_name",
+    "find_target_modules",
+    "make_projection",
+    "patch_model",
+    "patched_modules",
+    "projection_seed",
+    "unpatch_model",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,226 @@
+"""Find the target linears of a model and patch them to accumulate sketches.
+
+Patching keeps each target an ordinary ``nn.Linear`` with the same parameters: only an
+instance-level ``forward`` and a ``_logra`` record are added, so ``state_dict`` keys,
+``save_pretrained`` output and ``isinstance`` checks elsewhere (HF, DeepSpeed, vLLM loaders) are
+exactly those of the unpatched model. :func:`unpatch_model` removes both and restores every
+``requires_grad`` flag it changed.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .projection import canonical_name
+from .sketch import sketched_linear
+
+# Attention and MLP projections of the common decoder families: Llama, Qwen2/3, Mistral, Gemma
+# (q/k/v/o, gate/up/down), Phi-3 (fused qkv_proj, gate_up_proj), OPT/BART (out_proj, fc1, fc2),
+# GPT-NeoX/Falcon (query_key_value, dense*), Mixtral experts (w1, w2, w3).
+DEFAULT_TARGET_NAMES = frozenset(
+    {
+        "q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj",
+        "gate_proj", "up_proj", "down_proj", "gate_up_proj",
+        "out_proj", "fc1", "fc2",
+        "query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h",
+        "w1", "w2", "w3",
+    }
+)  # fmt: skip
+
+
+@dataclass(eq=False)
+class TargetState:
+    """What a patched linear carries: its names, the flags to restore, and, while an optimizer is
+    bound, the current projection ``A`` (fp32) and sketch view ``S``."""
+
+    name: str
+    canonical_name: str
+    weight_requires_grad: bool
+    projection: torch.Tensor | None = None
+    sketch: torch.Tensor | None = None
+    owner: weakref.ref | None = None
+    # Casts of ``projection`` to activation dtypes, rebuilt whenever the projection changes.
+    _projection_casts: dict = field(default_factory=dict)
+
+    def set_projection(self, projection: torch.Tensor | None) -> None:
+        self.projection = projection
+        self._projection_casts = {}
+
+    def projection_as(self, dtype: torch.dtype) -> torch.Tensor:
+        if dtype == self.projection.dtype:
+            return self.projection
+        if dtype not in self._projection_casts:
+            self._projection_casts[dtype] = self.projection.to(dtype)
+        return self._projection_casts[dtype]
+
+
+@dataclass(eq=False)
+class PatchRecord:
+    """Model-level record of a patch: the requires_grad flags of non-targets it froze, and hooks."""
+
+    frozen: dict[str, bool] = field(default_factory=dict)
+    hooks: list = field(default_factory=list)
+
+
+def _patched_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    target: TargetState = self._logra
+    # Sketch work only where a backward can follow: train mode with grad enabled, optimizer bound.
+    if target.projection is None or not (self.training and torch.is_grad_enabled()):
+        return F.linear(input, self.weight, self.bias)
+    if target.projection.device != self.weight.device:
+        raise RuntimeError(
+            f"LoGRA target {target.name!r}: weight is on {self.weight.device} but the optimizer's "
+            f"projection is on {target.projection.device}. Move the model before creating "
+            "LoGRAOptimizer, as with any torch optimizer."
+        )
+    return sketched_linear(
+        input, self.weight, self.bias, target.projection_as(input.dtype), target.sketch
+    )
+
+
+def _is_gpt2_conv1d(module: nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+def _output_embedding(model: nn.Module) -> nn.Module | None:
+    getter = getattr(model, "get_output_embeddings", None)
+    try:
+        return getter() if callable(getter) else None
+    except (AttributeError, NotImplementedError):
+        return None
+
+
+def _matches(name: str, target_modules) -> bool:
+    if target_modules is None:
+        return name.rsplit(".", 1)[-1] in DEFAULT_TARGET_NAMES
+    if isinstance(target_modules, str):
+        return re.fullmatch(target_modules, name) is not None
+    return any(name == t or name.endswith("." + t) for t in target_modules)
+
+
+def find_target_modules(
+    model: nn.Module, target_modules: str | Iterable[str] | None = None
+) -> list[tuple[str, nn.Linear]]:
+    """The ``(name, module)`` pairs :func:`patch_model` would patch.
+
+    ``target_modules``: ``None`` for the default attention/MLP projections, a list of names
+    (a module matches if its name equals one or ends with ``"." + name``), a regular expression
+    matched against the full module name, or ``"all-linear"`` (every ``nn.Linear`` except the
+    output embedding), as in peft.
+    """
+    if target_modules is not None and not isinstance(target_modules, str):
+        target_modules = list(target_modules)
+        if not target_modules or not all(isinstance(t, str) for t in target_modules):
+            raise ValueError(f"target_modules must be None, a string or a list of names, got {target_modules!r}")
+    output_embedding = _output_embedding(model)
+    all_linear = target_modules == "all-linear"
+    found, linears = [], []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            linears.append(name)
+            if module is output_embedding or name.rsplit(".", 1)[-1] == "lm_head":
+                continue
+            if all_linear or _matches(name, target_modules):
+                found.append((name, module))
+        elif _is_gpt2_conv1d(module) and not all_linear and target_modules is not None and _matches(name, target_modules):
+            raise ValueError(
+                f"target module {name!r} is a GPT-2 Conv1D (weight stored in×out); LoGRA patches "
+                "torch.nn.Linear only. Convert the model to nn.Linear layers or choose other targets."
+            )
+    if not found:
+        seen = ", ".join(linears[:20]) + (" …" if len(linears) > 20 else "") or "none"
+        conv1d = any(_is_gpt2_conv1d(m) for m in model.modules())
+        hint = " The model uses GPT-2 Conv1D layers, which are not supported." if conv1d else ""
+        raise ValueError(
+            f"no LoGRA target modules found for target_modules={target_modules!r}. "
+            f"Linear modules in the model: {seen}.{hint}"
+        )
+    return found
+
+
+def _require_grad_on_output(module, args, output):
+    # Reentrant gradient checkpointing only builds a graph for a block whose *inputs* require grad;
+    # with frozen embeddings nothing would. Same remedy as HF's enable_input_require_grads.
+    if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and not output.requires_grad:
+        output.requires_grad_(True)
+
+
+def patch_model(
+    model: nn.Module,
+    target_modules: str | Iterable[str] | None = None,
+    *,
+    freeze_non_targets: bool = True,
+) -> nn.Module:
+    """Patch ``model`` in place so its target linears accumulate LoGRA sketches; returns ``model``.
+
+    Target weights are frozen (``requires_grad=False``): no ``.grad`` is ever allocated for them,
+    while input gradients flow through them as usual. With ``freeze_non_targets`` (default) every
+    other parameter is frozen too, as in the paper (embeddings, norms, ``lm_head``, biases stay
+    fixed); unfreeze some and pass ``non_target_optimizer`` to :class:`LoGRAOptimizer` to train
+    them densely. Patching an already patched model adds any new targets and changes nothing else.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"patch_model expects a torch.nn.Module, got {type(model).__name__}")
+    if hasattr(model, "peft_config"):
+        raise ValueError(
+            "patch_model got a PEFT-wrapped model; LoGRA trains the base weights directly. "
+            "Pass the base model (e.g. model.get_base_model() or merge_and_unload())."
+        )
+    targets = find_target_modules(model, target_modules)
+    record: PatchRecord | None = getattr(model, "_logra_patch", None)
+    if record is None:
+        record = PatchRecord()
+        embeddings = getattr(model, "get_input_embeddings", None)
+        embedding = embeddings() if callable(embeddings) else None
+        if isinstance(embedding, nn.Module):
+            record.hooks.append(embedding.register_forward_hook(_require_grad_on_output))
+        model._logra_patch = record
+    for name, module in targets:
+        if hasattr(module, "_logra"):
+            continue
+        module._logra = TargetState(
+            name=name,
+            canonical_name=canonical_name(name),
+            weight_requires_grad=module.weight.requires_grad,
+        )
+        module.weight.requires_grad_(False)
+        module.forward = types.MethodType(_patched_forward, module)
+    if freeze_non_targets:
+        target_weights = {id(m.weight) for _, m in patched_modules(model)}
+        for name, param in model.named_parameters():
+            if id(param) not in target_weights and param.requires_grad:
+                record.frozen.setdefault(name, True)
+                param.requires_grad_(False)
+    return model
+
+
+def patched_modules(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """The patched targets of ``model`` in module order (empty if it is not patched)."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(getattr(m, "_logra", None), TargetState)]
+
+
+def unpatch_model(model: nn.Module) -> nn.Module:
+    """Undo :func:`patch_model`: original forwards, ``requires_grad`` flags and no LoGRA state."""
+    for _, module in patched_modules(model):
+        target: TargetState = module._logra
+        module.weight.requires_grad_(target.weight_requires_grad)
+        del module.forward
+        del module._logra
+    record: PatchRecord | None = getattr(model, "_logra_patch", None)
+    if record is not None:
+        params = dict(model.named_parameters())
+        for name, flag in record.frozen.items():
+            if name in params:
+                params[name].requires_grad_(flag)
+        for hook in record.hooks:
+            hook.remove()
+        del model._logra_patch
+    return model

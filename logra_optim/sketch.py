@@ -1,0 +1,93 @@
+"""Sketch accumulation inside backward: ``S += gᵀ (x Aᵀ)``, never forming ``G = gᵀ x``.
+
+A patched linear runs :class:`SketchedLinear` instead of ``F.linear`` in training forwards. Its
+forward saves only the projected input ``x Aᵀ`` (n×r, in the activation dtype) and the weight
+itself (a parameter, so saving it costs nothing); its backward returns the input gradient
+``g W`` as usual and, instead of a weight gradient, adds the d×r product ``gᵀ (x Aᵀ)`` into the
+target's fp32 sketch. No d×k tensor is created for the weight during backward.
+
+All sketches of a model live in one flat fp32 buffer (:class:`SketchBank`) so that data-parallel
+ranks can average them with one collective, like a bucketed gradient all-reduce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+# An autograd Function's output requires grad only if one of its inputs does. With the embeddings
+# frozen, the first patched layer's input may not, and then no backward would ever reach it. Passing
+# this leaf as an extra input keeps every patched layer in the graph; its gradient is never computed.
+GRAPH_ANCHOR = torch.zeros((), requires_grad=True)
+
+
+class SketchedLinear(torch.autograd.Function):
+    """``y = x Wᵀ + b`` whose backward accumulates ``gᵀ (x Aᵀ)`` into ``sketch`` (d×r, fp32)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, projection, sketch, anchor):
+        y = F.linear(x, weight, bias)
+        # Same dtype rules as the main product (autocast applies to both).
+        x_projected = F.linear(x, projection.to(x.dtype))
+        ctx.save_for_backward(x_projected, weight)
+        ctx.sketch = sketch
+        ctx.x_dtype = x.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x_projected, weight = ctx.saved_tensors
+        g = grad_output.reshape(-1, grad_output.shape[-1])
+        xp = x_projected.reshape(-1, x_projected.shape[-1]).to(g.dtype)
+        if g.dtype == ctx.sketch.dtype:
+            ctx.sketch.addmm_(g.t(), xp)
+        else:
+            # bf16/fp16 GEMMs accumulate in fp32 internally; the d×r result is summed in fp32.
+            ctx.sketch.add_(g.t() @ xp)
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (grad_output @ weight.to(grad_output.dtype)).to(ctx.x_dtype)
+        if ctx.needs_input_grad[2]:
+            grad_bias = g.sum(0)
+        return grad_x, None, grad_bias, None, None, None
+
+
+def sketched_linear(x, weight, bias, projection, sketch) -> torch.Tensor:
+    return SketchedLinear.apply(x, weight, bias, projection, sketch, GRAPH_ANCHOR)
+
+
+class SketchBank:
+    """One flat fp32 buffer per device holding the sketches of all targets, each a ``d×r`` view.
+
+    ``flat_buffers()`` is what a data-parallel reduction averages; ``views[i]`` is target ``i``'s
+    sketch ``S``.
+    """
+
+    def __init__(self, shapes: Sequence[tuple[int, int]], devices: Sequence[torch.device]):
+        self.flat: dict[torch.device, torch.Tensor] = {}
+        sizes: dict[torch.device, int] = {}
+        offsets = []
+        for (rows, cols), device in zip(shapes, devices):
+            offsets.append(sizes.get(device, 0))
+            sizes[device] = offsets[-1] + rows * cols
+        for device, size in sizes.items():
+            self.flat[device] = torch.zeros(size, dtype=torch.float32, device=device)
+        self.views = [
+            self.flat[device][offset : offset + rows * cols].view(rows, cols)
+            for (rows, cols), device, offset in zip(shapes, devices, offsets)
+        ]
+
+    def flat_buffers(self) -> list[torch.Tensor]:
+        return list(self.flat.values())
+
+    def zero_(self) -> None:
+        for buffer in self.flat.values():
+            buffer.zero_()
+
+    def all_finite(self) -> bool:
+        return all(bool(torch.isfinite(buffer).all()) for buffer in self.flat.values())
+
+    def any_nonzero(self) -> bool:
+        return any(bool(buffer.ne(0).any()) for buffer in self.flat.values())

@@ -1,0 +1,115 @@
+"""The update math of METHOD.md §2 as pure functions: directions, step size, merge.
+
+Notation: a target ``W ∈ R^{d×k}``, its projection ``A ∈ R^{r×k}`` and sketch ``S ∈ R^{d×r}``;
+the optimizer turns ``S`` into a direction ``U`` (d×r) and merges ``W ← W − α η U A``.
+Nothing here touches optimizer bookkeeping; every function is checked against dense float64
+references in the tests.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Row chunk of the merge for low-precision weights: bounds the fp32 temporary to about 64 MiB.
+MERGE_CHUNK_BYTES = 64 * 2**20
+
+
+def rowadam_direction(
+    sketch: torch.Tensor,
+    row_second_moment: torch.Tensor,
+    step: int,
+    beta2: float = 0.95,
+    eps: float = 1e-8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RowAdam: one second moment per output row, no first moment. Returns ``(U, v_new)``.
+
+    ::
+
+        v_i   ← β2 v_i + (1−β2) · mean_j S_ij²
+        ρ_i   = sqrt(v_i / (1 − β2^t))
+        den_i = ρ_i + ε · mean_i ρ_i          # relative ε: scale-free, unlike Adam's absolute ε
+        U     = diag(1/den) S · ‖S‖_F / ‖diag(1/den) S‖_F
+
+    The moment is indexed by output rows (neurons), not sketch columns, so it stays meaningful when
+    ``A`` is refreshed. The final rescale only redistributes magnitude across rows; the step size
+    comes from ``η``. ``row_second_moment`` is not modified, so a step that is rejected later leaves
+    the state untouched.
+    """
+    if step < 1:
+        raise ValueError(f"step must be >= 1, got {step}")
+    v_new = row_second_moment * beta2 + sketch.square().mean(dim=1) * (1.0 - beta2)
+    rms = (v_new / (1.0 - beta2**step)).sqrt()
+    denominator = rms + eps * rms.mean()
+    direction = sketch / denominator.unsqueeze(1)
+    direction_norm = torch.linalg.vector_norm(direction)
+    sketch_norm = torch.linalg.vector_norm(sketch)
+    scale = torch.where(direction_norm > 0, sketch_norm / direction_norm, torch.zeros_like(sketch_norm))
+    return direction * scale, v_new
+
+
+def low_rank_sq_norm(factor: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
+    """``‖F A‖_F²`` without forming the d×k product: ``Σ (FᵀF) ∘ (AAᵀ)`` (two r×r Gram matrices)."""
+    factor_gram = factor.t().float() @ factor.float()
+    projection_gram = projection.float() @ projection.t().float()
+    return (factor_gram.double() * projection_gram.double()).sum()
+
+
+def relative_step_size(update_ratio: float, weight_sq_norm: float, update_sq_norm: float) -> float:
+    """``η = ρ_upd · sqrt(Σ‖W‖² / Σ‖UA‖²)``: at α = 1 the whole update has ``‖ΔW‖/‖W‖ = ρ_upd``.
+
+    Returns 0 for a zero direction (there is nothing to scale).
+    """
+    if update_sq_norm <= 0.0:
+        return 0.0
+    return update_ratio * math.sqrt(weight_sq_norm / update_sq_norm)
+
+
+def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Round fp32 ``x`` to bfloat16, up or down with probability proportional to proximity.
+
+    ``E[round(x)] = x``, so updates far below bf16's resolution still move the weight on average
+    instead of vanishing. Adds uniform noise to the 16 bits that bf16 drops, then truncates.
+    """
+    bits = x.contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=x.device, generator=generator)
+    rounded = (bits + noise) & -65536
+    # Non-finite values must not be carried into the exponent by the noise.
+    rounded = torch.where(torch.isfinite(x), rounded, bits)
+    return rounded.view(torch.float32).to(torch.bfloat16)
+
+
+def merge_low_rank_(
+    weight: torch.Tensor,
+    factor: torch.Tensor,
+    projection: torch.Tensor,
+    *,
+    stochastic_rounding: bool = True,
+    generator: torch.Generator | None = None,
+    chunk_bytes: int = MERGE_CHUNK_BYTES,
+) -> torch.Tensor:
+    """``W ← W − F A`` in place, for ``F = α η U`` (d×r) and ``A`` (r×k). Returns ``weight``.
+
+    ``weight`` may be any row block of a target (an FSDP2 shard's local rows, with the matching
+    rows of ``F``). fp32/fp64 weights are updated by one in-place GEMM (no temporary); bf16/fp16
+    weights in row chunks through an fp32 temporary of at most ``chunk_bytes``, rounded back
+    stochastically (bf16, default) or to nearest.
+    """
+    if weight.dim() != 2 or factor.shape != (weight.shape[0], projection.shape[0]) or projection.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"merge shapes do not line up: weight {tuple(weight.shape)}, factor {tuple(factor.shape)}, "
+            f"projection {tuple(projection.shape)} (expected d×k, d×r, r×k)"
+        )
+    if weight.dtype in (torch.float32, torch.float64):
+        return weight.addmm_(factor.to(weight.dtype), projection.to(weight.dtype), alpha=-1.0)
+    projection32 = projection.float()
+    rows_per_chunk = max(1, chunk_bytes // (4 * weight.shape[1]))
+    for start in range(0, weight.shape[0], rows_per_chunk):
+        rows = slice(start, start + rows_per_chunk)
+        updated = torch.addmm(weight[rows].float(), factor[rows].float(), projection32, alpha=-1.0)
+        if stochastic_rounding and weight.dtype == torch.bfloat16:
+            weight[rows] = stochastic_round_to_bf16(updated, generator)
+        else:
+            weight[rows] = updated.to(weight.dtype)
+    return weight
