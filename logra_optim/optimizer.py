@@ -1,10 +1,10 @@
-"""``LoGRAOptimizer``: bookkeeping around the pure functions of :mod:`logra_optim.updates`.
+"""``LoGRAOptimizer``: bookkeeping around the pure functions of :mod:`.updates` and :mod:`.kl`.
 
 The optimizer binds to a model patched by :func:`~logra_optim.patch_model`. It owns the sketch
 buffers and the projections of the targets (regenerated from the seed and the update index, never
-stored), turns the accumulated sketches into directions, chooses the step and merges
-``W ← W − α η U A`` into the weights. Its ``param_groups`` hold the target weights so that torch LR
-schedulers work unchanged; its state is tensors and numbers only.
+stored), turns the accumulated sketches into directions, chooses the step (predicted-KL control)
+and merges ``W ← W − α η U A`` into the weights. Its ``param_groups`` hold the target weights so
+that torch LR schedulers work unchanged; its state is tensors, numbers and strings only.
 """
 
 from __future__ import annotations
@@ -14,18 +14,30 @@ import math
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from .kl import budget_at, effective_budget, mismatch_sample, step_scale
 from .patching import TargetState, patched_modules
+from .probe import (
+    ContextRecorder,
+    LogitsFn,
+    ProbeContexts,
+    contexts_from_batch,
+    default_logits_fn,
+    finite_difference_predicted_kl,
+    jvp_predicted_kl,
+    realised_kl,
+)
 from .projection import PROJECTIONS, make_projection, projection_seed
 from .sketch import SketchBank
 from .updates import low_rank_sq_norm, merge_low_rank_, relative_step_size, rowadam_direction
 
 OPTIMIZERS = ("rowadam", "sgd")
+PROBES = ("jvp", "finite_difference")
 DEFAULT_UPDATE_RATIO = 6e-5
 
 
@@ -41,7 +53,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
     Args:
         model: the patched model (not its parameters).
         rank: sketch rank ``r``; at most every target's in and out size.
-        kl_budget: predicted-KL budget ``δ`` per update; ``None`` turns KL control off (α = 1).
+        kl_budget: predicted-KL budget ``δ`` per update: a number, a schedule ``f(update) -> δ``
+            (e.g. :class:`~logra_optim.kl.CosineBudget`), or ``None`` to turn KL control off (α = 1).
         optimizer: ``"rowadam"`` (row second moment, METHOD.md §2) or ``"sgd"`` (``U = S``).
         update_ratio: relative update norm ``ρ_upd``: ``η = ρ_upd · sqrt(Σ‖W‖²/Σ‖UA‖²)`` so that
             ``‖ΔW‖/‖W‖ = ρ_upd`` at α = 1. Default 6e-5 (the paper's) unless ``lr`` is given. Stored
@@ -58,13 +71,24 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             updates survive on average (fp32 master weights are recommended).
         non_target_optimizer: ``callable(params) -> torch.optim.Optimizer`` for non-target
             parameters left trainable (``requires_grad=True``); stepped and zeroed with this one.
+        probe: ``"jvp"`` (exact forward-mode AD, one forward) or ``"finite_difference"``
+            (``KL(θ ‖ θ+εD)/ε²``, two forwards, exact full-vocabulary KL).
+        probe_samples: sequences of the latest training forward used as probe contexts.
+        temperature: sampling temperature ``T`` of the policy (for recorded contexts).
+        probe_logits_fn: ``f(model, contexts) -> logits`` for models whose forward does not
+            return logits directly (default: ``model(input_ids, attention_mask).logits``).
+        fd_epsilon: step ``ε`` of the finite-difference probe, as a multiple of ``D``.
+        realised_kl_check: after merging, measure the true KL on the probe contexts; if it exceeds
+            the budget by more than ``realised_kl_tolerance``, undo the merge exactly (from a host
+            copy of the targets) and retry with a smaller α, at most ``realised_kl_retries`` times.
+        mismatch_ema: EMA weight of the rollout/trainer mismatch ``κ`` (see :meth:`observe_mismatch`).
     """
 
     def __init__(
         self,
         model: nn.Module,
         rank: int = 256,
-        kl_budget: float | None = None,
+        kl_budget: float | Callable[[int], float] | None = None,
         *,
         optimizer: str = "rowadam",
         update_ratio: float | None = None,
@@ -78,6 +102,15 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         wire_dtype: torch.dtype | None = torch.bfloat16,
         stochastic_rounding: bool = True,
         non_target_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
+        probe: str = "jvp",
+        probe_samples: int = 2,
+        temperature: float = 1.0,
+        probe_logits_fn: LogitsFn | None = None,
+        fd_epsilon: float = 1.0,
+        realised_kl_check: bool = False,
+        realised_kl_tolerance: float = 0.1,
+        realised_kl_retries: int = 3,
+        mismatch_ema: float = 0.3,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(
@@ -97,12 +130,19 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         else:
             lr = _positive("update_ratio", DEFAULT_UPDATE_RATIO if update_ratio is None else update_ratio)
             lr_mode = "update_ratio"
-        if kl_budget is not None:
+        if kl_budget is not None and not callable(kl_budget):
             _positive("kl_budget", kl_budget)
-            raise NotImplementedError(
-                "kl_budget: predicted-KL step control is not available in this version; "
-                "pass kl_budget=None (α = 1) and control the step with update_ratio or lr"
-            )
+        if probe not in PROBES:
+            raise ValueError(f"probe must be one of {PROBES}, got {probe!r}")
+        if not isinstance(probe_samples, int) or probe_samples < 1:
+            raise ValueError(f"probe_samples must be a positive integer, got {probe_samples!r}")
+        _positive("temperature", temperature)
+        _positive("fd_epsilon", fd_epsilon)
+        _positive("realised_kl_tolerance", realised_kl_tolerance)
+        if not isinstance(realised_kl_retries, int) or realised_kl_retries < 0:
+            raise ValueError(f"realised_kl_retries must be a non-negative integer, got {realised_kl_retries!r}")
+        if not 0.0 < mismatch_ema <= 1.0:
+            raise ValueError(f"mismatch_ema must be in (0, 1], got {mismatch_ema!r}")
         alpha_max = _positive("alpha_max", alpha_max)
         if not 0.0 <= beta2 < 1.0:
             raise ValueError(f"beta2 must be in [0, 1), got {beta2!r}")
@@ -114,33 +154,16 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         if not targets:
             raise ValueError("LoGRAOptimizer: the model has no LoGRA targets; call patch_model(model) first")
         for name, module in targets:
-            d, k = module.weight.shape
-            if rank > min(d, k):
-                raise ValueError(
-                    f"rank={rank} is larger than target {name!r} allows ({d}×{k}: rank must be ≤ {min(d, k)})"
-                )
-            owner = module._logra.owner() if module._logra.owner is not None else None
-            if owner is not None:
-                raise RuntimeError(
-                    f"target {name!r} is already driven by another LoGRAOptimizer; one optimizer per "
-                    "patched model (delete the old one, or unpatch_model + patch_model for a fresh start)"
-                )
-            if module.weight.requires_grad:
-                raise ValueError(f"target {name!r} has requires_grad=True; LoGRA targets must stay frozen")
-            if module.weight.dtype == torch.float16:
-                warnings.warn(
-                    f"target {name!r} is stored in float16: updates below half an ulp are lost. "
-                    "Keep fp32 master weights (or bf16, which is stochastically rounded).",
-                    stacklevel=2,
-                )
+            _check_target(name, module, rank)
 
+        self._model = model
         self._targets: list[TargetState] = [m._logra for _, m in targets]
         self._modules: list[nn.Linear] = [m for _, m in targets]
         self._index_of = {id(m.weight): i for i, m in enumerate(self._modules)}
         defaults = dict(lr=lr, lr_mode=lr_mode, optimizer=optimizer, beta2=beta2, eps=eps)
         super().__init__([m.weight for m in self._modules], defaults)
 
-        target_weights = {id(m.weight) for m in self._modules}
+        target_weights = set(self._index_of)
         others = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in target_weights]
         if others and non_target_optimizer is None:
             names = ", ".join(n for n, _ in others[:8]) + (" …" if len(others) > 8 else "")
@@ -154,13 +177,24 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self.seed = int(seed)
         self.projection = projection
         self.refresh = bool(refresh)
-        self.kl_budget = kl_budget
-        self.alpha_max = alpha_max
         self.wire_dtype = wire_dtype
         self.stochastic_rounding = bool(stochastic_rounding)
+        self.kl_budget = kl_budget
+        self.alpha_max = alpha_max
+        self.probe = probe
+        self.probe_logits_fn = probe_logits_fn or default_logits_fn
+        self.fd_epsilon = float(fd_epsilon)
+        self.realised_kl_check = bool(realised_kl_check)
+        self.realised_kl_tolerance = float(realised_kl_tolerance)
+        self.realised_kl_retries = realised_kl_retries
+        self.mismatch_ema = float(mismatch_ema)
         self.update_index = 0  # applied updates so far
+        self.mismatch = 0.0  # κ
         self.nonfinite_skips = 0
+        self.probe_skips = 0
         self.stats: dict[str, Any] = {}
+        self._explicit_contexts: ProbeContexts | None = None
+        self._recorder = ContextRecorder(model, probe_samples, temperature) if kl_budget is not None else None
 
         self._bank = SketchBank(
             [(m.weight.shape[0], rank) for m in self._modules], [m.weight.device for m in self._modules]
@@ -171,27 +205,77 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self._regenerate_projections()
 
     # ----------------------------------------------------------------------------------------------
-    # Projections and sketches
+    # Projections, sketches, probe inputs
 
     @property
     def projection_index(self) -> int:
         """Index the current ``A`` is drawn with: update u (1-based) uses u−1; 0 for a fixed basis."""
         return self.update_index if self.refresh else 0
 
-    def projection_for(self, target: TargetState, update_index: int | None = None) -> torch.Tensor:
-        """Regenerate ``A`` of ``target`` (fp32, on its weight's device) for an update index."""
-        index = self.projection_index if update_index is None else update_index
-        weight = self._modules[self._targets.index(target)].weight
-        seed = projection_seed(self.seed, index, target.canonical_name)
+    def projection_for(self, index: int, update_index: int | None = None) -> torch.Tensor:
+        """Regenerate ``A`` of target ``index`` (fp32, on its weight's device)."""
+        weight, target = self._modules[index].weight, self._targets[index]
+        seed = projection_seed(self.seed, self.projection_index if update_index is None else update_index,
+                               target.canonical_name)  # fmt: skip
         return make_projection(seed, self.rank, weight.shape[1], self.projection, device=weight.device)
 
     def _regenerate_projections(self) -> None:
-        for target in self._targets:
-            target.set_projection(self.projection_for(target))
+        for index, target in enumerate(self._targets):
+            target.set_projection(self.projection_for(index))
 
     def sketch_buffers(self) -> list[torch.Tensor]:
         """The flat fp32 buffers holding every sketch (one per device), e.g. for an all-reduce."""
         return self._bank.flat_buffers()
+
+    def set_probe_contexts(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        probe_mask: torch.Tensor | None = None,
+        temperature: float | None = None,
+        *,
+        completion_mask: torch.Tensor | None = None,
+    ) -> None:
+        """Give the KL probe its contexts explicitly (they replace the recorded ones until changed).
+
+        ``probe_mask[b, t]`` marks positions whose logits predict a generated token; without it,
+        positions are chosen from ``attention_mask`` and ``completion_mask`` (aligned with
+        ``input_ids``). ``temperature`` defaults to the optimizer's.
+        """
+        if temperature is None:
+            temperature = self._recorder.temperature if self._recorder else 1.0
+        _positive("temperature", temperature)
+        if probe_mask is None:
+            contexts = contexts_from_batch(input_ids, attention_mask, completion_mask=completion_mask,
+                                           temperature=temperature)  # fmt: skip
+        else:
+            if probe_mask.shape != input_ids.shape:
+                raise ValueError(f"probe_mask {tuple(probe_mask.shape)} must match input_ids {tuple(input_ids.shape)}")
+            contexts = ProbeContexts(input_ids, attention_mask, probe_mask.bool(), float(temperature))
+        if contexts.tokens == 0:
+            raise ValueError("set_probe_contexts: no probe positions (the masks select no generated token)")
+        self._explicit_contexts = contexts
+
+    def observe_mismatch(
+        self, rollout_logps: torch.Tensor, trainer_logps: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> float:
+        """Feed log-probs of sampled tokens from the rollout engine and the trainer (same tokens,
+        ``mask`` selecting generated tokens of completed responses). Updates and returns
+        ``κ ← (1−w) κ + w · max(0, mean(log π_rollout − log π_trainer))`` (w = ``mismatch_ema``);
+        the next update's budget becomes ``max(δ − κ, δ/2)``."""
+        sample = mismatch_sample(rollout_logps, trainer_logps, mask)
+        self.mismatch = (1.0 - self.mismatch_ema) * self.mismatch + self.mismatch_ema * sample
+        return self.mismatch
+
+    def _probe_contexts(self) -> ProbeContexts:
+        contexts = self._explicit_contexts or self._recorder.latest
+        if contexts is None or contexts.tokens == 0:
+            raise RuntimeError(
+                "KL control has no probe contexts: none were recorded from a training forward "
+                "(call model(input_ids=..., attention_mask=..., labels=...) in train mode before step()), "
+                "or give them with optimizer.set_probe_contexts(input_ids, attention_mask, probe_mask, temperature)"
+            )
+        return contexts
 
     # ----------------------------------------------------------------------------------------------
     # torch.optim.Optimizer API
@@ -208,8 +292,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         """Merge ``W ← W − α η U A`` for every target, then refresh ``A`` and clear the sketches.
 
         The sketches are cleared because they are expressed in the basis ``A`` that was just
-        replaced. A non-finite sketch skips the update: weights and state stay untouched, a warning
-        is issued and ``stats["nonfinite_skips"]`` counts it.
+        replaced. A non-finite sketch, or a non-finite/negative predicted KL, skips the update:
+        weights and optimizer state stay untouched, a warning is issued and a counter in ``stats``
+        records it.
         """
         loss = None
         if closure is not None:
@@ -221,38 +306,97 @@ class LoGRAOptimizer(torch.optim.Optimizer):
 
         if not self._bank.all_finite():
             self.nonfinite_skips += 1
-            warnings.warn(
-                f"LoGRA: non-finite sketch at update {self.update_index + 1}; update skipped, weights and "
-                "optimizer state unchanged",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            self._bank.zero_()
-            self.stats = {"skipped": "nonfinite", **self._counters()}
+            self._skip(f"non-finite sketch at update {self.update_index + 1}", "nonfinite_sketch")
             return loss
 
-        plans = []  # (group, [(module, target, direction, new_state)], eta)
-        for group in self.param_groups:
-            entries, weight_sq, update_sq = [], [], []
-            for weight in group["params"]:
-                index = self._index_of[id(weight)]
-                module, target = self._modules[index], self._targets[index]
-                direction, new_state = self._direction(group, weight, target.sketch)
-                entries.append((module, target, direction, new_state))
-                if group["lr_mode"] == "update_ratio":
-                    weight_sq.append(torch.linalg.vector_norm(weight, dtype=torch.float32).double().square())
-                    update_sq.append(low_rank_sq_norm(direction, target.projection))
-            if group["lr_mode"] == "update_ratio":
-                eta = relative_step_size(
-                    group["lr"], float(torch.stack(weight_sq).sum()), float(torch.stack(update_sq).sum())
-                )
-            else:
-                eta = group["lr"]
-            plans.append((group, entries, eta))
+        plans = [self._plan(group) for group in self.param_groups]
+        alpha, kl_stats, probe_result = 1.0, {}, None
+        if self.kl_budget is not None:
+            chosen = self._choose_alpha(plans)
+            if chosen is None:
+                return loss
+            alpha, kl_stats, probe_result = chosen
 
-        alpha = 1.0
-        for group, entries, eta in plans:
-            for module, target, direction, new_state in entries:
+        backup = None
+        if self.kl_budget is not None and self.realised_kl_check:
+            backup = [module.weight.detach().to("cpu", copy=True) for module in self._modules]
+        self._merge(plans, alpha)
+        if backup is not None:
+            alpha = self._check_realised_kl(plans, alpha, backup, probe_result, kl_stats)
+
+        for _, entries, _ in plans:
+            for module, _, _, new_state in entries:
+                self.state[module.weight].update(new_state)
+        self.update_index += 1
+        if self.refresh:
+            self._regenerate_projections()
+        self._bank.zero_()
+        self.stats = {"alpha": alpha, "eta": plans[0][2], **kl_stats,
+                      "step_seconds": time.perf_counter() - started, **self._counters()}  # fmt: skip
+        return loss
+
+    def _plan(self, group: dict):
+        """``(group, [(module, target, U, state to commit)], η)``; mutates nothing."""
+        entries, weight_sq, update_sq = [], [], []
+        for weight in group["params"]:
+            index = self._index_of[id(weight)]
+            module, target = self._modules[index], self._targets[index]
+            direction, new_state = self._direction(group, weight, target.sketch)
+            entries.append((module, target, direction, new_state))
+            if group["lr_mode"] == "update_ratio":
+                weight_sq.append(torch.linalg.vector_norm(weight, dtype=torch.float32).double().square())
+                update_sq.append(low_rank_sq_norm(direction, target.projection))
+        if group["lr_mode"] == "lr":
+            return group, entries, group["lr"]
+        eta = relative_step_size(group["lr"], float(torch.stack(weight_sq).sum()), float(torch.stack(update_sq).sum()))
+        return group, entries, eta
+
+    def _direction(self, group: dict, weight: torch.Tensor, sketch: torch.Tensor):
+        """``U`` for one target and the state it would commit (nothing is mutated here)."""
+        state = self.state[weight]
+        step = state.get("step", torch.tensor(0.0)) + 1
+        if group["optimizer"] == "sgd":
+            return sketch, {"step": step}
+        moment = state.get("row_second_moment")
+        if moment is None:
+            moment = torch.zeros(weight.shape[0], dtype=torch.float32, device=sketch.device)
+        direction, moment = rowadam_direction(sketch, moment, int(step), group["beta2"], group["eps"])
+        return direction, {"step": step, "row_second_moment": moment}
+
+    def _choose_alpha(self, plans):
+        """Predicted-KL control: ``(α, stats, (contexts, base logits, δ_eff))`` with
+        ``α = min(α_max, sqrt(δ_eff / q))``; ``None`` if the probe failed (step skipped)."""
+        contexts = self._probe_contexts()
+        budget = budget_at(self.kl_budget, self.update_index + 1)
+        budget_eff = effective_budget(budget, self.mismatch)
+        targets = [target for _, entries, _ in plans for _, target, _, _ in entries]
+        factors = [direction * eta for _, entries, eta in plans for _, _, direction, _ in entries]
+        started = time.perf_counter()
+        if self.probe == "jvp":
+            total, tokens, base = jvp_predicted_kl(self._model, targets, factors, contexts, self.probe_logits_fn)
+        else:
+            total, tokens, base = finite_difference_predicted_kl(
+                self._model, targets, factors, contexts, self.probe_logits_fn, self.fd_epsilon
+            )
+        q = float(total) / max(tokens, 1)
+        if not math.isfinite(q) or q < 0:
+            self.probe_skips += 1
+            self._skip(f"predicted KL q={q} at update {self.update_index + 1}", "probe")
+            return None
+        alpha = step_scale(q, budget_eff, self.alpha_max)
+        return alpha, {
+            "predicted_kl": q,
+            "predicted_step_kl": alpha**2 * q,
+            "kl_budget": budget,
+            "kl_budget_effective": budget_eff,
+            "mismatch": self.mismatch,
+            "probe_tokens": tokens,
+            "probe_seconds": time.perf_counter() - started,
+        }, (contexts, base, budget_eff)
+
+    def _merge(self, plans, alpha: float) -> None:
+        for _, entries, eta in plans:
+            for module, target, direction, _ in entries:
                 factor = direction * (alpha * eta)
                 if self.wire_dtype is not None:
                     factor = factor.to(self.wire_dtype)
@@ -260,45 +404,44 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 if module.weight.dtype == torch.bfloat16 and self.stochastic_rounding:
                     generator = torch.Generator(device=module.weight.device)
                     generator.manual_seed(projection_seed(self.seed, self.update_index, "rounding/" + target.canonical_name))
-                merge_low_rank_(
-                    module.weight.data, factor, target.projection,
-                    stochastic_rounding=self.stochastic_rounding, generator=generator,
-                )  # fmt: skip
-                self.state[module.weight].update(new_state)
+                merge_low_rank_(module.weight.data, factor, target.projection,
+                                stochastic_rounding=self.stochastic_rounding, generator=generator)  # fmt: skip
 
-        self.update_index += 1
-        if self.refresh:
-            self._regenerate_projections()
+    def _check_realised_kl(self, plans, alpha: float, backup, probe_result, kl_stats: dict) -> float:
+        """Measure the true KL after the merge; undo and retry with a smaller α while it exceeds
+        the budget by more than the tolerance. Returns the α finally applied."""
+        contexts, base, budget_eff = probe_result
+        for retry in range(self.realised_kl_retries + 1):
+            total, tokens = realised_kl(self._model, contexts, base, self.probe_logits_fn)
+            realised = float(total) / max(tokens, 1)
+            kl_stats.update(realised_kl=realised, realised_kl_retries=retry)
+            if realised <= budget_eff * (1.0 + self.realised_kl_tolerance) or retry == self.realised_kl_retries:
+                break
+            for module, saved in zip(self._modules, backup):
+                module.weight.data.copy_(saved)
+            # KL grows as α²: rescale to land on the budget.
+            alpha *= math.sqrt(budget_eff / realised)
+            self._merge(plans, alpha)
+        if realised > budget_eff * (1.0 + self.realised_kl_tolerance):
+            warnings.warn(f"LoGRA: realised KL {realised:.3g} exceeds the budget {budget_eff:.3g} after "
+                          f"{self.realised_kl_retries} retries", RuntimeWarning, stacklevel=3)  # fmt: skip
+        kl_stats["alpha_after_check"] = alpha
+        return alpha
+
+    def _skip(self, why: str, reason: str) -> None:
+        warnings.warn(f"LoGRA: {why}; update skipped, weights and optimizer state unchanged",
+                      RuntimeWarning, stacklevel=3)  # fmt: skip
         self._bank.zero_()
-        self.stats = {
-            "alpha": alpha,
-            "eta": plans[0][2],
-            "step_seconds": time.perf_counter() - started,
-            **self._counters(),
-        }
-        return loss
-
-    def _direction(self, group: dict, weight: torch.Tensor, sketch: torch.Tensor):
-        """``U`` for one target and the state it would commit (nothing is mutated here)."""
-        if group["optimizer"] == "sgd":
-            step = self.state[weight].get("step", torch.tensor(0.0))
-            return sketch, {"step": step + 1}
-        state = self.state[weight]
-        step = state.get("step", torch.tensor(0.0)) + 1
-        moment = state.get("row_second_moment")
-        if moment is None:
-            moment = torch.zeros(weight.shape[0], dtype=torch.float32, device=sketch.device)
-        direction, moment = rowadam_direction(sketch, moment, int(step), group["beta2"], group["eps"])
-        return direction, {"step": step, "row_second_moment": moment}
+        self.stats = {"skipped": reason, **self._counters()}
 
     def _counters(self) -> dict[str, Any]:
-        return {"update_index": self.update_index, "nonfinite_skips": self.nonfinite_skips}
+        return {"update_index": self.update_index, "nonfinite_skips": self.nonfinite_skips, "probe_skips": self.probe_skips}
 
     # ----------------------------------------------------------------------------------------------
     # Checkpointing
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's optimizer state plus ``"logra"`` (update index, seed, projection kind, counters).
+        """torch's optimizer state plus ``"logra"`` (update index, seed, projection, κ, counters).
 
         Only tensors, numbers and strings: loadable with ``torch.load(weights_only=True)``.
         """
@@ -309,7 +452,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             "rank": self.rank,
             "projection": self.projection,
             "refresh": self.refresh,
+            "mismatch": self.mismatch,
             "nonfinite_skips": self.nonfinite_skips,
+            "probe_skips": self.probe_skips,
         }
         if self.non_target_optimizer is not None:
             state["non_target"] = self.non_target_optimizer.state_dict()
@@ -340,7 +485,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self.seed = int(logra["seed"])
         self.projection = str(logra["projection"])
         self.refresh = bool(logra["refresh"])
+        self.mismatch = float(logra["mismatch"])
         self.nonfinite_skips = int(logra["nonfinite_skips"])
+        self.probe_skips = int(logra["probe_skips"])
         self._bank.zero_()
         self._regenerate_projections()
 
@@ -349,4 +496,24 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         return (
             f"LoGRAOptimizer(targets={len(self._targets)}, rank={self.rank}, optimizer={group['optimizer']!r}, "
             f"{group['lr_mode']}={group['lr']}, projection={self.projection!r}, kl_budget={self.kl_budget})"
+        )
+
+
+def _check_target(name: str, module: nn.Linear, rank: int) -> None:
+    d, k = module.weight.shape
+    if rank > min(d, k):
+        raise ValueError(f"rank={rank} is larger than target {name!r} allows ({d}×{k}: rank must be ≤ {min(d, k)})")
+    owner = module._logra.owner() if module._logra.owner is not None else None
+    if owner is not None:
+        raise RuntimeError(
+            f"target {name!r} is already driven by another LoGRAOptimizer; one optimizer per patched model "
+            "(delete the old one, or unpatch_model + patch_model for a fresh start)"
+        )
+    if module.weight.requires_grad:
+        raise ValueError(f"target {name!r} has requires_grad=True; LoGRA targets must stay frozen")
+    if module.weight.dtype == torch.float16:
+        warnings.warn(
+            f"target {name!r} is stored in float16: updates below half an ulp are lost. "
+            "Keep fp32 master weights (or bf16, which is stochastically rounded).",
+            stacklevel=3,
         )

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .probe import perturbed_linear
 from .projection import canonical_name
 from .sketch import sketched_linear
 
@@ -47,6 +48,9 @@ class TargetState:
     projection: torch.Tensor | None = None
     sketch: torch.Tensor | None = None
     owner: weakref.ref | None = None
+    # Set only while a KL probe runs: the proposed update is ``−probe_factor · A``.
+    probe_factor: torch.Tensor | None = None
+    probe_mode: str = "tangent"
     # Casts of ``projection`` to activation dtypes, rebuilt whenever the projection changes.
     _projection_casts: dict = field(default_factory=dict)
 
@@ -72,6 +76,8 @@ class PatchRecord:
 
 def _patched_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
     target: TargetState = self._logra
+    if target.probe_factor is not None:
+        return perturbed_linear(self, input, target)
     # Sketch work only where a backward can follow: train mode with grad enabled, optimizer bound.
     if target.projection is None or not (self.training and torch.is_grad_enabled()):
         return F.linear(input, self.weight, self.bias)

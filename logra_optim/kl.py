@@ -1,0 +1,128 @@
+"""Predicted-KL step control (METHOD.md §3): the estimator, the step scale, budgets and mismatch.
+
+For a proposed update ``D`` and scale ``α``, ``KL(π_θ ‖ π_{θ+αD}) ≈ α² q(D)`` with
+
+    p = softmax(z/T),   ż = JVP of the logits along D,
+    q(D) = 1/(2|P|T²) Σ_s Var_{v∼p(s)}[ż_v(s)],
+
+the second-order expansion of the KL around α = 0 (its Hessian is the Fisher information of the
+softmax). The controller picks ``α = min(α_max, sqrt(δ/q))`` so the update moves the policy by the
+budget ``δ``. Everything here is pure math on tensors; running the model lives in :mod:`.probe`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+# Positions per chunk of the float64 vocabulary math: bounds the temporary to chunk × vocab × 8 bytes.
+_POSITIONS_PER_CHUNK = 256
+
+
+def fisher_kl_terms(logits: torch.Tensor, tangent: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Per-position ``q_s = ½ Σ_v p_v c_v²`` with ``c = ż/T − Σ_v p_v ż_v/T``, in float64.
+
+    ``logits`` and ``tangent`` are ``(..., V)``; returns ``(...)``.
+    """
+    _check_temperature(temperature)
+    flat_logits = logits.reshape(-1, logits.shape[-1])
+    flat_tangent = tangent.reshape(-1, tangent.shape[-1])
+    terms = []
+    for start in range(0, flat_logits.shape[0], _POSITIONS_PER_CHUNK):
+        z = flat_logits[start : start + _POSITIONS_PER_CHUNK].double() / temperature
+        z_dot = flat_tangent[start : start + _POSITIONS_PER_CHUNK].double() / temperature
+        p = torch.softmax(z, dim=-1)
+        centred = z_dot - (p * z_dot).sum(-1, keepdim=True)
+        terms.append(0.5 * (p * centred.square()).sum(-1))
+    return torch.cat(terms).reshape(logits.shape[:-1]) if terms else logits.new_zeros(logits.shape[:-1], dtype=torch.float64)
+
+
+def exact_kl_terms(logits: torch.Tensor, perturbed_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Per-position full-vocabulary ``KL(softmax(z/T) ‖ softmax(z'/T))`` in float64."""
+    _check_temperature(temperature)
+    flat = logits.reshape(-1, logits.shape[-1])
+    flat_perturbed = perturbed_logits.reshape(-1, perturbed_logits.shape[-1])
+    terms = []
+    for start in range(0, flat.shape[0], _POSITIONS_PER_CHUNK):
+        log_p = torch.log_softmax(flat[start : start + _POSITIONS_PER_CHUNK].double() / temperature, -1)
+        log_q = torch.log_softmax(flat_perturbed[start : start + _POSITIONS_PER_CHUNK].double() / temperature, -1)
+        terms.append((log_p.exp() * (log_p - log_q)).sum(-1))
+    return torch.cat(terms).reshape(logits.shape[:-1]) if terms else logits.new_zeros(logits.shape[:-1], dtype=torch.float64)
+
+
+def step_scale(predicted_kl: float, budget: float, alpha_max: float) -> float:
+    """``α = min(α_max, sqrt(δ/q))``, and ``α = 1`` when ``q = 0`` (the update does not move the
+    policy to second order, so there is nothing to scale against).
+
+    KL is quadratic in α, hence the square root (the paper's text prints ``δ/q``).
+    """
+    if not math.isfinite(predicted_kl) or predicted_kl < 0:
+        raise ValueError(f"predicted KL must be finite and ≥ 0, got {predicted_kl!r}")
+    if predicted_kl == 0.0:
+        return 1.0
+    return min(alpha_max, math.sqrt(budget / predicted_kl))
+
+
+@dataclass(frozen=True)
+class CosineBudget:
+    """The paper's schedule: ``δ_u = δ_min + ½(δ_max − δ_min)(1 + cos(π · min((u−1)/(H−1), 1)))``.
+
+    Falls from ``delta_max`` at update 1 to ``delta_min`` at update ``horizon``, then holds.
+    Defaults are the authors' main runs (2e-4 → 2e-5 over 300 updates).
+    """
+
+    delta_max: float = 2e-4
+    delta_min: float = 2e-5
+    horizon: int = 300
+
+    def __post_init__(self):
+        if not (self.delta_max > 0 and self.delta_min > 0):
+            raise ValueError(f"CosineBudget: delta_max and delta_min must be > 0, got {self.delta_max}, {self.delta_min}")
+        if self.horizon < 1:
+            raise ValueError(f"CosineBudget: horizon must be ≥ 1, got {self.horizon}")
+
+    def __call__(self, update: int) -> float:
+        progress = 1.0 if self.horizon == 1 else min((update - 1) / (self.horizon - 1), 1.0)
+        return self.delta_min + 0.5 * (self.delta_max - self.delta_min) * (1.0 + math.cos(math.pi * max(progress, 0.0)))
+
+
+def budget_at(kl_budget: float | Callable[[int], float], update: int) -> float:
+    """``δ_u`` for update ``u`` (1-based) from a constant or a schedule; validated."""
+    value = kl_budget(update) if callable(kl_budget) else kl_budget
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"kl_budget must be a positive number (or a schedule returning one); got {value!r} at update {update}")
+    return float(value)
+
+
+def mismatch_sample(rollout_logps: torch.Tensor, trainer_logps: torch.Tensor, mask: torch.Tensor | None = None) -> float:
+    """``max(0, mean[log π_rollout(a) − log π_trainer(a)])`` over masked tokens: a Monte-Carlo
+    estimate of KL(rollout ‖ trainer) from tokens the rollout engine sampled."""
+    if rollout_logps.shape != trainer_logps.shape:
+        raise ValueError(f"rollout_logps {tuple(rollout_logps.shape)} and trainer_logps {tuple(trainer_logps.shape)} differ in shape")
+    difference = rollout_logps.double() - trainer_logps.double()
+    if mask is not None:
+        if mask.shape != difference.shape:
+            raise ValueError(f"mask {tuple(mask.shape)} does not match the log-probs {tuple(difference.shape)}")
+        weights = mask.double()
+        total = weights.sum()
+        if total == 0:
+            return 0.0
+        mean = (difference * weights).sum() / total
+    else:
+        mean = difference.mean()
+    if not torch.isfinite(mean):
+        raise ValueError("mismatch: non-finite log-probabilities")
+    return max(0.0, float(mean))
+
+
+def effective_budget(budget: float, mismatch: float) -> float:
+    """``δ_eff = max(δ_u − κ, ½ δ_u)``: the rollout policy already differs from the trainer by κ."""
+    return max(budget - mismatch, 0.5 * budget)
+
+
+def _check_temperature(temperature: float) -> None:
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"temperature must be a positive number, got {temperature!r}")

@@ -1,0 +1,199 @@
+"""Running the model for KL control: probe contexts, the JVP probe, the finite-difference probe.
+
+The proposed update of a target is ``D_W = −F A`` with ``F = η U`` (d×r). Neither probe touches
+the weights: while a probe runs, each patched linear computes ``y = x Wᵀ + b`` as usual and adds
+the low-rank term ``−(x Aᵀ) Fᵀ`` (fp32 products), either as the *tangent* of a forward-mode dual
+(JVP probe: ``ż`` of all targets at once in one forward) or as a temporary *branch* on the primal
+(finite-difference probe: the logits of ``θ + εD``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.autograd.forward_ad as fwAD
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from .kl import exact_kl_terms, fisher_kl_terms
+
+LogitsFn = Callable[[nn.Module, "ProbeContexts"], torch.Tensor]
+
+
+@dataclass
+class ProbeContexts:
+    """Sequences to probe and, per position, whether its logits predict a generated token.
+
+    ``probe_mask[b, t]`` marks the logits at position ``t`` (which predict token ``t+1``).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    probe_mask: torch.Tensor
+    temperature: float = 1.0
+
+    @property
+    def tokens(self) -> int:
+        return int(self.probe_mask.sum())
+
+
+def contexts_from_batch(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    completion_mask: torch.Tensor | None = None,
+    samples: int | None = None,
+    temperature: float = 1.0,
+) -> ProbeContexts:
+    """Probe contexts from a training batch (the first ``samples`` sequences).
+
+    A position is probed when the token it predicts is real (attention mask) and, if given, is
+    trained on (``labels != -100``, HF convention: aligned with ``input_ids``) and generated
+    (``completion_mask``, aligned with ``input_ids``).
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be (batch, sequence), got shape {tuple(input_ids.shape)}")
+    rows = slice(None, samples)
+    input_ids = input_ids[rows]
+    predicted_is_valid = torch.ones_like(input_ids, dtype=torch.bool)
+    if attention_mask is not None:
+        attention_mask = attention_mask[rows]
+        predicted_is_valid &= attention_mask.bool()
+    if labels is not None:
+        predicted_is_valid &= labels[rows] != -100
+    if completion_mask is not None:
+        predicted_is_valid &= completion_mask[rows].bool()
+    probe_mask = torch.zeros_like(predicted_is_valid)
+    probe_mask[:, :-1] = predicted_is_valid[:, 1:]
+    if attention_mask is not None:
+        probe_mask &= attention_mask.bool()
+    return ProbeContexts(input_ids.detach().clone(), None if attention_mask is None else attention_mask.detach().clone(),
+                         probe_mask, float(temperature))  # fmt: skip
+
+
+class ContextRecorder:
+    """Keeps the first ``samples`` sequences of the most recent training forward of a model.
+
+    A forward pre-hook sees the batch (``input_ids``, ``attention_mask``, ``labels``) of every
+    forward in train mode with grad enabled, so the two-line usage needs no extra call.
+    """
+
+    def __init__(self, model: nn.Module, samples: int, temperature: float):
+        self.samples = samples
+        self.temperature = temperature
+        self.latest: ProbeContexts | None = None
+        recorder = weakref.ref(self)
+
+        def hook(module, args, kwargs):
+            self_ = recorder()
+            if self_ is not None and module.training and torch.is_grad_enabled():
+                self_._record(args, kwargs)
+
+        self.handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+
+    def _record(self, args, kwargs) -> None:
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+            return
+        self.latest = contexts_from_batch(
+            input_ids, kwargs.get("attention_mask"), kwargs.get("labels"), kwargs.get("completion_mask"),
+            self.samples, self.temperature,
+        )  # fmt: skip
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+def default_logits_fn(model: nn.Module, contexts: ProbeContexts) -> torch.Tensor:
+    """``model(input_ids, attention_mask, use_cache=False).logits`` (or the output itself)."""
+    output = model(input_ids=contexts.input_ids, attention_mask=contexts.attention_mask, use_cache=False)
+    return output if isinstance(output, torch.Tensor) else output.logits
+
+
+def low_rank_delta(x: torch.Tensor, projection: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``−(x Aᵀ) Fᵀ`` in fp32: the output change of ``W → W − F A`` for input ``x``."""
+    return -F.linear(F.linear(x.float(), projection.float()), factor.float())
+
+
+def perturbed_linear(module: nn.Linear, x: torch.Tensor, target) -> torch.Tensor:
+    """The forward of a patched linear while a probe runs (see the module docstring)."""
+    y = F.linear(x, module.weight, module.bias)
+    if target.probe_mode == "branch":
+        return y + low_rank_delta(x, target.projection, target.probe_factor).to(y.dtype)
+    primal_x = fwAD.unpack_dual(x).primal
+    primal_y, tangent_y = fwAD.unpack_dual(y)
+    delta = low_rank_delta(primal_x, target.projection, target.probe_factor).to(primal_y.dtype)
+    return fwAD.make_dual(primal_y, delta if tangent_y is None else tangent_y + delta)
+
+
+@contextlib.contextmanager
+def _probe_targets(targets: Sequence, factors: Sequence[torch.Tensor], mode: str) -> Iterator[None]:
+    try:
+        for target, factor in zip(targets, factors):
+            target.probe_factor, target.probe_mode = factor, mode
+        yield
+    finally:
+        for target in targets:
+            target.probe_factor = None
+
+
+@contextlib.contextmanager
+def _inference_environment(model: nn.Module) -> Iterator[None]:
+    """Eval mode (no dropout, no gradient checkpointing), no autograd graph, and attention kernels
+    with forward-AD formulas (the math SDPA backend; fused kernels such as CPU flash SDPA have
+    none). The model's train/eval flags and attention setting are restored afterwards."""
+    training = {module: module.training for module in model.modules()}
+    config = getattr(model, "config", None)
+    attention = getattr(config, "_attn_implementation", None)
+    try:
+        model.eval()
+        if attention not in (None, "eager", "sdpa"):
+            config._attn_implementation = "sdpa"
+        with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        for module, flag in training.items():
+            module.training = flag
+        if attention is not None:
+            config._attn_implementation = attention
+
+
+def _probe_logits(model, contexts, logits_fn) -> torch.Tensor:
+    return logits_fn(model, contexts)[contexts.probe_mask]
+
+
+def jvp_predicted_kl(model, targets, factors, contexts: ProbeContexts, logits_fn: LogitsFn = default_logits_fn):
+    """``(Σ_s q_s, |P|, base logits at P)`` for the update ``D_W = −F A``, from one dual forward."""
+    with _inference_environment(model), fwAD.dual_level(), _probe_targets(targets, factors, "tangent"):
+        logits = logits_fn(model, contexts)
+        primal, tangent = fwAD.unpack_dual(logits)
+        if tangent is None:
+            raise RuntimeError("KL probe: the logits carry no tangent; no patched target was on the path to them")
+        mask = contexts.probe_mask
+        terms = fisher_kl_terms(primal[mask], tangent[mask], contexts.temperature)
+        base = primal[mask].detach().clone()
+    return terms.sum(), terms.numel(), base
+
+
+def finite_difference_predicted_kl(model, targets, factors, contexts, logits_fn=default_logits_fn, epsilon=1.0):
+    """``(Σ_s KL_s(θ ‖ θ+εD)/ε², |P|, base logits at P)``: two forwards, exact full-vocabulary KL,
+    ``εD`` applied as a temporary low-rank branch so the weights stay bit-exact."""
+    with _inference_environment(model):
+        base = _probe_logits(model, contexts, logits_fn)
+        with _probe_targets(targets, [f * epsilon for f in factors], "branch"):
+            perturbed = _probe_logits(model, contexts, logits_fn)
+    terms = exact_kl_terms(base, perturbed, contexts.temperature) / epsilon**2
+    return terms.sum(), terms.numel(), base
+
+
+def realised_kl(model, contexts, base_logits, logits_fn=default_logits_fn):
+    """``(Σ_s KL_s(π_before ‖ π_now), |P|)`` on the probe contexts, with the model as it is now."""
+    with _inference_environment(model):
+        now = _probe_logits(model, contexts, logits_fn)
+    terms = exact_kl_terms(base_logits, now, contexts.temperature)
+    return terms.sum(), terms.numel()
