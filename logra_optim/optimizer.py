@@ -353,7 +353,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
 
     def _direction(self, group: dict, weight: torch.Tensor, sketch: torch.Tensor):
         """``U`` for one target and the state it would commit (nothing is mutated here)."""
-        state = self.state[weight]
+        state = self.state.get(weight, {})
         step = state.get("step", torch.tensor(0.0)) + 1
         if group["optimizer"] == "sgd":
             return sketch, {"step": step}
