@@ -25,19 +25,21 @@ _POSITIONS_PER_CHUNK = 256
 def fisher_kl_terms(logits: torch.Tensor, tangent: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Per-position ``q_s = ½ Σ_v p_v c_v²`` with ``c = ż/T − Σ_v p_v ż_v/T``, in float64.
 
-    ``logits`` and ``tangent`` are ``(..., V)``; returns ``(...)``.
+    ``logits`` and ``tangent`` are ``(..., V)``; returns ``(...)``. The centred form (rather than
+    ``E[ż²] − E[ż]²``) avoids cancellation when ``ż`` has a large common shift, which does not
+    change the distribution.
     """
     _check_temperature(temperature)
     flat_logits = logits.reshape(-1, logits.shape[-1])
     flat_tangent = tangent.reshape(-1, tangent.shape[-1])
-    terms = []
+    terms = [torch.zeros(0, dtype=torch.float64, device=logits.device)]
     for start in range(0, flat_logits.shape[0], _POSITIONS_PER_CHUNK):
-        z = flat_logits[start : start + _POSITIONS_PER_CHUNK].double() / temperature
-        z_dot = flat_tangent[start : start + _POSITIONS_PER_CHUNK].double() / temperature
+        z = _scaled_double(flat_logits[start : start + _POSITIONS_PER_CHUNK], temperature)
+        centred = _scaled_double(flat_tangent[start : start + _POSITIONS_PER_CHUNK], temperature)
         p = torch.softmax(z, dim=-1)
-        centred = z_dot - (p * z_dot).sum(-1, keepdim=True)
-        terms.append(0.5 * (p * centred.square()).sum(-1))
-    return torch.cat(terms).reshape(logits.shape[:-1]) if terms else logits.new_zeros(logits.shape[:-1], dtype=torch.float64)
+        centred -= torch.einsum("sv,sv->s", p, centred).unsqueeze(-1)
+        terms.append(0.5 * torch.einsum("sv,sv->s", p, centred.square_()))
+    return torch.cat(terms).reshape(logits.shape[:-1])
 
 
 def exact_kl_terms(logits: torch.Tensor, perturbed_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -45,12 +47,18 @@ def exact_kl_terms(logits: torch.Tensor, perturbed_logits: torch.Tensor, tempera
     _check_temperature(temperature)
     flat = logits.reshape(-1, logits.shape[-1])
     flat_perturbed = perturbed_logits.reshape(-1, perturbed_logits.shape[-1])
-    terms = []
+    terms = [torch.zeros(0, dtype=torch.float64, device=logits.device)]
     for start in range(0, flat.shape[0], _POSITIONS_PER_CHUNK):
-        log_p = torch.log_softmax(flat[start : start + _POSITIONS_PER_CHUNK].double() / temperature, -1)
-        log_q = torch.log_softmax(flat_perturbed[start : start + _POSITIONS_PER_CHUNK].double() / temperature, -1)
-        terms.append((log_p.exp() * (log_p - log_q)).sum(-1))
-    return torch.cat(terms).reshape(logits.shape[:-1]) if terms else logits.new_zeros(logits.shape[:-1], dtype=torch.float64)
+        log_p = torch.log_softmax(_scaled_double(flat[start : start + _POSITIONS_PER_CHUNK], temperature), -1)
+        log_q = torch.log_softmax(_scaled_double(flat_perturbed[start : start + _POSITIONS_PER_CHUNK], temperature), -1)
+        terms.append(torch.einsum("sv,sv->s", log_p.exp(), log_p - log_q))
+    return torch.cat(terms).reshape(logits.shape[:-1])
+
+
+def _scaled_double(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``x / T`` as a fresh float64 tensor (one pass when T = 1)."""
+    x = x.to(torch.float64, copy=True)
+    return x if temperature == 1.0 else x.div_(temperature)
 
 
 def step_scale(predicted_kl: float, budget: float, alpha_max: float) -> float:

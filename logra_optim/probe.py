@@ -10,6 +10,7 @@ the low-rank term ``−(x Aᵀ) Fᵀ`` (fp32 products), either as the *tangent* 
 from __future__ import annotations
 
 import contextlib
+import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -122,13 +123,37 @@ def low_rank_delta(x: torch.Tensor, projection: torch.Tensor, factor: torch.Tens
 
 def perturbed_linear(module: nn.Linear, x: torch.Tensor, target) -> torch.Tensor:
     """The forward of a patched linear while a probe runs (see the module docstring)."""
-    y = F.linear(x, module.weight, module.bias)
     if target.probe_mode == "branch":
+        y = F.linear(x, module.weight, module.bias)
         return y + low_rank_delta(x, target.projection, target.probe_factor).to(y.dtype)
-    primal_x = fwAD.unpack_dual(x).primal
-    primal_y, tangent_y = fwAD.unpack_dual(y)
-    delta = low_rank_delta(primal_x, target.projection, target.probe_factor).to(primal_y.dtype)
-    return fwAD.make_dual(primal_y, delta if tangent_y is None else tangent_y + delta)
+    primal_x, tangent_x = fwAD.unpack_dual(x)
+    y = F.linear(primal_x, module.weight, module.bias)
+    tangent = low_rank_delta(primal_x, target.projection, target.probe_factor).to(y.dtype)
+    if tangent_x is not None:
+        tangent += F.linear(tangent_x, module.weight)
+    return fwAD.make_dual(y, tangent)
+
+
+def _linear_with_tangent(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    primal_x, tangent_x = fwAD.unpack_dual(x)
+    y = F.linear(primal_x, module.weight, module.bias)
+    return y if tangent_x is None else fwAD.make_dual(y, F.linear(tangent_x, module.weight))
+
+
+@contextlib.contextmanager
+def _frozen_linears_with_tangents(model: nn.Module) -> Iterator[None]:
+    """Forward AD's rule for ``linear`` also multiplies by a materialised zero tangent of the weight
+    on CPU (three GEMMs instead of two); for the frozen non-target linears (``lm_head`` above all),
+    compute ``ẏ = ẋ Wᵀ`` directly. Modules that already carry an instance ``forward`` (accelerate
+    hooks, LoGRA targets) are left alone."""
+    replaced = [m for m in model.modules() if type(m) is nn.Linear and "forward" not in m.__dict__]
+    try:
+        for module in replaced:
+            module.forward = types.MethodType(_linear_with_tangent, module)
+        yield
+    finally:
+        for module in replaced:
+            del module.forward
 
 
 @contextlib.contextmanager
@@ -169,14 +194,18 @@ def _probe_logits(model, contexts, logits_fn) -> torch.Tensor:
 
 def jvp_predicted_kl(model, targets, factors, contexts: ProbeContexts, logits_fn: LogitsFn = default_logits_fn):
     """``(Σ_s q_s, |P|, base logits at P)`` for the update ``D_W = −F A``, from one dual forward."""
-    with _inference_environment(model), fwAD.dual_level(), _probe_targets(targets, factors, "tangent"):
+    with (
+        _inference_environment(model),
+        fwAD.dual_level(),
+        _probe_targets(targets, factors, "tangent"),
+        _frozen_linears_with_tangents(model),
+    ):
         logits = logits_fn(model, contexts)
         primal, tangent = fwAD.unpack_dual(logits)
         if tangent is None:
             raise RuntimeError("KL probe: the logits carry no tangent; no patched target was on the path to them")
-        mask = contexts.probe_mask
-        terms = fisher_kl_terms(primal[mask], tangent[mask], contexts.temperature)
-        base = primal[mask].detach().clone()
+        base = primal[contexts.probe_mask]
+        terms = fisher_kl_terms(base, tangent[contexts.probe_mask], contexts.temperature)
     return terms.sum(), terms.numel(), base
 
 

@@ -1,0 +1,171 @@
+"""Predicted-KL control: accuracy (realised KL / budget) and cost (probe time / plain forward time).
+
+Accuracy: a small Qwen2 is first fitted to a fixed token set (so its next-token distributions are
+far from uniform, as a trained LLM's are); then LoGRA takes several steps at each budget, and after
+every step the exact full-vocabulary KL between the policy before and after the step is measured
+on the probe contexts, independently of the optimizer's bookkeeping.
+
+Cost: on a Qwen2 of realistic width, the median time of the JVP probe and of the finite-difference
+probe over the probe contexts, divided by the median time of one plain (eval, no-grad) forward of
+the same contexts. Each model size runs in a fresh process, after warm-up.
+
+    python benchmarks/bench_kl.py --json benchmarks/results/kl.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+BUDGETS = (1e-5, 3e-5, 1e-4, 2e-4)
+PROBES = ("jvp", "finite_difference")
+
+
+def qwen2(hidden: int, layers: int, vocab: int, seed: int = 0):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    heads = max(1, hidden // 64)
+    config = Qwen2Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=int(2.75 * hidden) // 8 * 8,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
+        head_dim=hidden // heads, max_position_embeddings=2048, tie_word_embeddings=False,
+    )  # fmt: skip
+    return Qwen2ForCausalLM(config)
+
+
+def accuracy(args) -> list[dict]:
+    from logra_optim import LoGRAOptimizer, patch_model
+    from logra_optim.kl import exact_kl_terms
+    from logra_optim.probe import contexts_from_batch
+
+    base = qwen2(args.acc_hidden, args.acc_layers, args.acc_vocab)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, args.acc_vocab, (8, 64), generator=generator)
+    batch = {"input_ids": ids, "labels": ids}
+    adam = torch.optim.AdamW(base.parameters(), lr=2e-3)
+    for _ in range(args.pretrain_steps):
+        base(**batch).loss.backward()
+        adam.step()
+        adam.zero_grad()
+    contexts = contexts_from_batch(ids, labels=ids, samples=2)
+
+    rows = []
+    for probe in PROBES:
+        for budget in BUDGETS:
+            model = patch_model(copy.deepcopy(base))
+            opt = LoGRAOptimizer(model, rank=args.rank, kl_budget=budget, probe=probe,
+                                 update_ratio=5e-3, alpha_max=1e3)  # fmt: skip
+            ratios = []
+            for _ in range(args.acc_steps):
+                with torch.no_grad():
+                    before = model(input_ids=contexts.input_ids).logits[contexts.probe_mask]
+                model(**batch).loss.backward()
+                opt.step()
+                opt.zero_grad()
+                with torch.no_grad():
+                    after = model(input_ids=contexts.input_ids).logits[contexts.probe_mask]
+                ratios.append(float(exact_kl_terms(before, after).mean()) / budget)
+            rows.append({"probe": probe, "budget": budget, "min": min(ratios), "median": statistics.median(ratios),
+                         "max": max(ratios)})  # fmt: skip
+            print(f"accuracy {probe:18s} budget {budget:.0e}: realised/budget median {rows[-1]['median']:.4f} "
+                  f"[{rows[-1]['min']:.4f}, {rows[-1]['max']:.4f}]", file=sys.stderr)  # fmt: skip
+    return rows
+
+
+def _median_seconds(fn, runs: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def cost_worker(hidden: int, layers: int, vocab: int, seq: int, samples: int, rank: int, runs: int, warmup: int) -> dict:
+    """One model size, in this (fresh) process."""
+    from logra_optim import LoGRAOptimizer, patch_model
+    from logra_optim.probe import (
+        _inference_environment, contexts_from_batch, default_logits_fn, finite_difference_predicted_kl,
+        jvp_predicted_kl,
+    )  # fmt: skip
+
+    torch.set_num_threads(2)
+    model = patch_model(qwen2(hidden, layers, vocab))
+    ids = torch.randint(0, vocab, (samples, seq), generator=torch.Generator().manual_seed(2))
+    opt = LoGRAOptimizer(model, rank=rank, kl_budget=1e-4)
+    model(input_ids=ids, labels=ids).loss.backward()
+    contexts = contexts_from_batch(ids, labels=ids)
+    targets = opt._targets
+    factors = [t.sketch * 1e-3 for t in targets]
+
+    def plain():
+        with _inference_environment(model):
+            default_logits_fn(model, contexts)
+
+    plain_s = _median_seconds(plain, runs, warmup)
+    jvp_s = _median_seconds(lambda: jvp_predicted_kl(model, targets, factors, contexts), runs, warmup)
+    fd_s = _median_seconds(lambda: finite_difference_predicted_kl(model, targets, factors, contexts), runs, warmup)
+    return {"hidden": hidden, "layers": layers, "vocab": vocab, "tokens": samples * seq, "rank": rank,
+            "plain_forward_s": plain_s, "jvp_s": jvp_s, "fd_s": fd_s,
+            "jvp_over_forward": jvp_s / plain_s, "fd_over_forward": fd_s / plain_s}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Predicted-KL accuracy and probe cost")
+    parser.add_argument("--worker", type=str, help=argparse.SUPPRESS)
+    parser.add_argument("--acc-hidden", type=int, default=128)
+    parser.add_argument("--acc-layers", type=int, default=2)
+    parser.add_argument("--acc-vocab", type=int, default=512)
+    parser.add_argument("--acc-steps", type=int, default=5)
+    parser.add_argument("--pretrain-steps", type=int, default=60)
+    parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--cost-rank", type=int, default=64)
+    parser.add_argument("--sizes", type=str, default="512x4,1024x4", help="hidden×layers of the cost runs")
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--samples", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--json", type=str)
+    args = parser.parse_args()
+
+    if args.worker:
+        print(json.dumps(cost_worker(**json.loads(args.worker))))
+        return
+
+    results = {"accuracy": accuracy(args), "cost": []}
+    for size in args.sizes.split(","):
+        hidden, layers = (int(v) for v in size.split("x"))
+        spec = dict(hidden=hidden, layers=layers, vocab=args.vocab, seq=args.seq, samples=args.samples,
+                    rank=args.cost_rank, runs=args.runs, warmup=args.warmup)  # fmt: skip
+        out = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], check=True,
+                             capture_output=True, text=True).stdout  # fmt: skip
+        row = json.loads(out.strip().splitlines()[-1])
+        results["cost"].append(row)
+        print(f"cost hidden {hidden} layers {layers} ({row['tokens']} probe tokens, r={row['rank']}): "
+              f"JVP {row['jvp_over_forward']:.2f}× a forward, FD {row['fd_over_forward']:.2f}×", file=sys.stderr)  # fmt: skip
+
+    print("\n| probe | budget | realised / budget (median [min, max] over steps) |\n|---|---|---|")
+    for row in results["accuracy"]:
+        print(f"| {row['probe']} | {row['budget']:.0e} | {row['median']:.3f} [{row['min']:.3f}, {row['max']:.3f}] |")
+    print("\n| model (hidden × layers, vocab) | probe tokens | plain forward s | JVP probe | FD probe |\n|---|---|---|---|---|")
+    for row in results["cost"]:
+        print(f"| {row['hidden']} × {row['layers']}, {row['vocab']} | {row['tokens']} | {row['plain_forward_s']:.3f} | "
+              f"{row['jvp_over_forward']:.2f}× | {row['fd_over_forward']:.2f}× |")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
