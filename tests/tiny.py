@@ -32,3 +32,60 @@ def fixed_batch(vocab_size: int = 128, batch: int = 4, seq: int = 12, seed: int 
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, vocab_size, (batch, seq), generator=generator)
     return {"input_ids": input_ids, "labels": input_ids.clone()}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Small stand-alone modules and helpers shared by the test files.
+
+
+class OneLinear(torch.nn.Module):
+    """A single target linear named ``proj``: the smallest model ``patch_model`` accepts."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.proj = torch.nn.Linear(in_features, out_features, bias=bias)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+class TwoLinear(torch.nn.Module):
+    """Two targets of different shapes (``up``: k→h, ``down``: h→d) with a nonlinearity between, so
+    that a shared step size η and per-target state are both exercised."""
+
+    def __init__(self, k: int = 12, h: int = 10, d: int = 7, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.up = torch.nn.Linear(k, h)
+        self.down = torch.nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.down(torch.tanh(self.up(x)))
+
+
+def sum_token_loss(model, batch) -> torch.Tensor:
+    """Next-token cross entropy *summed* over tokens: additive over the rows of a batch, so a batch
+    split into microbatches gives exactly the same total gradient."""
+    logits = model(input_ids=batch["input_ids"]).logits[:, :-1].float()
+    targets = batch["input_ids"][:, 1:]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+
+
+def sketches(model) -> dict[str, torch.Tensor]:
+    """A copy of every target's current sketch, by module name."""
+    from logra_optim import patched_modules
+
+    return {name: module._logra.sketch.clone() for name, module in patched_modules(model)}
+
+
+def projections(model) -> dict[str, torch.Tensor]:
+    from logra_optim import patched_modules
+
+    return {name: module._logra.projection.clone() for name, module in patched_modules(model)}
+
+
+def target_weights(model) -> dict[str, torch.Tensor]:
+    from logra_optim import patched_modules
+
+    return {name: module.weight.detach().clone() for name, module in patched_modules(model)}

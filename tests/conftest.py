@@ -1,0 +1,52 @@
+"""Shared test configuration.
+
+Hypothesis runs derandomised (examples derived from the test's source, no example database), so a
+test run is reproducible bit for bit and CI cannot flake on a newly drawn example.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+settings.register_profile(
+    "logra",
+    derandomize=True,
+    database=None,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "logra"))
+
+# Every tensor here is tiny: intra-op threads only add synchronisation, and OpenMP's spin-waiting
+# makes a 2-core CI machine with any other load run the suite up to 10× slower.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _fixed_torch_seed():
+    # Tests that draw random tensors without an explicit generator still get the same ones each run.
+    torch.manual_seed(0)
+    yield
+
+
+@pytest.fixture
+def tiny():
+    from tiny import tiny_qwen2
+
+    return tiny_qwen2()
+
+
+@pytest.fixture
+def batch():
+    from tiny import fixed_batch
+
+    return fixed_batch()

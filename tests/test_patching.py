@@ -1,0 +1,384 @@
+"""``patch_model`` / ``unpatch_model``: target selection, invisibility to checkpoints and loaders,
+and compatibility with the ways HF models are actually run (checkpointing, autocast, bf16, eval,
+generate)."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from logra_optim import LoGRAOptimizer, find_target_modules, patch_model, patched_modules, unpatch_model
+from tiny import sketches, tiny_qwen2
+
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def expected_names(layers=2, kinds=PROJ):
+    parent = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
+    return {f"model.layers.{i}.{parent.get(p, 'mlp')}.{p}" for i in range(layers) for p in kinds}
+
+
+def train_sketches(model, batch, rank=4, **kwargs):
+    """Bind an optimizer, run one training forward/backward, return the sketches."""
+    LoGRAOptimizer(model, rank=rank, lr=1.0, **kwargs)
+    model.train()
+    model(**batch).loss.backward()
+    return sketches(model)
+
+
+def enable_checkpointing(model, use_reentrant):
+    kwargs = {"use_reentrant": use_reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers ≥ 5.x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def requires_grad_flags(model):
+    return {name: p.requires_grad for name, p in model.named_parameters()}
+
+
+# --------------------------------------------------------------------------------------------------
+# Target selection
+
+
+def test_default_targets_are_the_attention_and_mlp_projections(tiny):
+    patch_model(tiny)
+    names = {name for name, _ in patched_modules(tiny)}
+    assert names == expected_names()
+    # Nothing else is a target, and every parameter but the target weights is frozen.
+    assert all(not p.requires_grad for p in tiny.parameters())
+    assert not hasattr(tiny.lm_head, "_logra")
+
+
+@pytest.mark.parametrize(
+    "selection, expected",
+    [
+        (["q_proj", "v_proj"], expected_names(kinds=("q_proj", "v_proj"))),
+        (["model.layers.1.mlp.down_proj"], {"model.layers.1.mlp.down_proj"}),
+        (r"model\.layers\.\d+\.mlp\.(gate|up)_proj", expected_names(kinds=("gate_proj", "up_proj"))),
+        (r".*\.0\.self_attn\..*", {n for n in expected_names() if re.fullmatch(r".*\.0\.self_attn\..*", n)}),
+        ("all-linear", expected_names()),  # lm_head, the output embedding, excluded as in peft
+        (("k_proj",), expected_names(kinds=("k_proj",))),  # any iterable of names
+    ],
+)
+def test_target_selection(tiny, selection, expected):
+    assert {name for name, _ in find_target_modules(tiny, selection)} == expected
+    patch_model(tiny, target_modules=selection)
+    assert {name for name, _ in patched_modules(tiny)} == expected
+
+
+def test_list_names_match_whole_components_only(tiny):
+    # "proj" is a suffix of every target's last component, but not a component itself.
+    with pytest.raises(ValueError, match="no LoGRA target modules found"):
+        find_target_modules(tiny, ["proj"])
+
+
+def test_all_linear_includes_linears_outside_the_default_names():
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = nn.Linear(4, 4)
+            self.q_proj = nn.Linear(4, 4)
+
+    model = Odd()
+    assert {n for n, _ in find_target_modules(model)} == {"q_proj"}
+    assert {n for n, _ in find_target_modules(model, "all-linear")} == {"encoder", "q_proj"}
+
+
+def test_no_targets_lists_the_linear_modules_seen(tiny):
+    with pytest.raises(
+        ValueError, match=r"no LoGRA target modules found.*model\.layers\.0\.self_attn\.q_proj.*lm_head"
+    ):
+        patch_model(tiny, target_modules=["attention"])
+    with pytest.raises(ValueError, match="Linear modules in the model: none"):
+        patch_model(nn.Sequential(nn.ReLU()))
+    # Nothing was half-patched by the failed calls.
+    assert patched_modules(tiny) == [] and not hasattr(tiny, "_logra_patch")
+    assert all(p.requires_grad for p in tiny.parameters())
+
+
+@pytest.mark.parametrize("bad", [[], [3], ""])
+def test_invalid_target_modules_argument(tiny, bad):
+    with pytest.raises(ValueError, match="target_modules"):
+        patch_model(tiny, target_modules=bad)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: a non-iterable target_modules (e.g. 5) fails with \"'int' object is not iterable\", "
+    "which does not name the parameter",
+)
+def test_non_iterable_target_modules_names_the_parameter(tiny):
+    with pytest.raises((ValueError, TypeError), match="target_modules"):
+        patch_model(tiny, target_modules=5)
+
+
+def test_gpt2_conv1d_is_rejected_by_name():
+    from transformers.pytorch_utils import Conv1D
+
+    class GPT2Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c_attn = Conv1D(24, 8)
+            self.q_proj = nn.Linear(8, 8)
+
+    block = GPT2Block()
+    with pytest.raises(ValueError, match=r"'c_attn' is a GPT-2 Conv1D"):
+        patch_model(block, target_modules=["c_attn", "q_proj"])
+    with pytest.raises(ValueError, match=r"'c_attn' is a GPT-2 Conv1D"):
+        patch_model(block, target_modules=r"c_.*")
+    assert patched_modules(block) == []
+
+    class OnlyConv1D(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c_fc = Conv1D(16, 8)
+
+    with pytest.raises(ValueError, match="GPT-2 Conv1D layers, which are not supported"):
+        patch_model(OnlyConv1D())
+    with pytest.raises(ValueError, match="GPT-2 Conv1D layers, which are not supported"):
+        patch_model(OnlyConv1D(), target_modules="all-linear")
+
+
+def test_patch_model_rejects_non_modules():
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        patch_model([nn.Linear(2, 2)])
+
+
+# --------------------------------------------------------------------------------------------------
+# Invisible to checkpoints and loaders
+
+
+def test_state_dict_is_that_of_the_unpatched_model(tiny):
+    plain = copy.deepcopy(tiny)
+    patch_model(tiny)
+    LoGRAOptimizer(tiny, rank=4, lr=1.0)  # binding adds projections and sketches: still invisible
+    patched_state, plain_state = tiny.state_dict(), plain.state_dict()
+    assert list(patched_state) == list(plain_state)
+    assert all(torch.equal(patched_state[k], plain_state[k]) for k in plain_state)
+    assert isinstance(tiny.model.layers[0].self_attn.q_proj, nn.Linear)
+
+
+def test_save_pretrained_loads_in_plain_transformers(tiny, batch, tmp_path):
+    from transformers import Qwen2ForCausalLM
+
+    plain = copy.deepcopy(tiny)
+    patch_model(tiny)
+    opt = LoGRAOptimizer(tiny, rank=4, lr=0.05)
+    tiny.train()
+    tiny(**batch).loss.backward()
+    opt.step()  # so the saved weights are the trained ones, not the initial ones
+    tiny.save_pretrained(tmp_path)
+    plain.save_pretrained(tmp_path / "plain")
+
+    loaded = Qwen2ForCausalLM.from_pretrained(tmp_path)
+    loaded_state, trained_state = loaded.state_dict(), tiny.state_dict()
+    assert list(loaded_state) == list(trained_state)
+    assert all(torch.equal(loaded_state[k], trained_state[k]) for k in trained_state)
+    assert not torch.equal(
+        loaded_state["model.layers.0.mlp.up_proj.weight"], plain.state_dict()["model.layers.0.mlp.up_proj.weight"]
+    )
+    # Same files, same tensor names and config as an unpatched save.
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == sorted(
+        p.name for p in (tmp_path / "plain").iterdir() if p.is_file()
+    )
+    assert patched_modules(loaded) == []
+
+
+# --------------------------------------------------------------------------------------------------
+# Patching twice, unpatching
+
+
+def test_patching_twice_is_harmless(tiny, batch):
+    once = patch_model(copy.deepcopy(tiny))
+    twice = patch_model(patch_model(copy.deepcopy(tiny)))
+    assert [n for n, _ in patched_modules(twice)] == [n for n, _ in patched_modules(once)]
+    assert requires_grad_flags(twice) == requires_grad_flags(once)
+    # One sketch contribution per backward, not two.
+    s_once, s_twice = train_sketches(once, batch), train_sketches(twice, batch)
+    assert all(torch.equal(s_once[k], s_twice[k]) for k in s_once)
+    unpatch_model(twice)
+    assert requires_grad_flags(twice) == requires_grad_flags(tiny)
+
+
+def test_patching_again_adds_new_targets_and_unpatch_restores_everything(tiny):
+    original = requires_grad_flags(tiny)
+    patch_model(tiny, target_modules=["q_proj"])
+    patch_model(tiny, target_modules=["v_proj"])  # v_proj was frozen as a non-target by the first call
+    assert {n for n, _ in patched_modules(tiny)} == expected_names(kinds=("q_proj", "v_proj"))
+    unpatch_model(tiny)
+    assert requires_grad_flags(tiny) == original
+
+
+def test_unpatch_restores_forward_and_flags_exactly(tiny, batch):
+    # A mix of flags, including a target the user had frozen and a non-target they had trained.
+    tiny.model.embed_tokens.weight.requires_grad_(False)
+    tiny.model.layers[1].self_attn.k_proj.weight.requires_grad_(False)
+    original_flags = requires_grad_flags(tiny)
+    embedding_hooks = dict(tiny.model.embed_tokens._forward_hooks)
+    tiny.eval()
+    with torch.no_grad():
+        original_logits = tiny(**batch).logits
+
+    patch_model(tiny)
+    opt = LoGRAOptimizer(tiny, rank=4, lr=1.0)
+    tiny.train()
+    tiny(**batch).loss.backward()
+    unpatch_model(tiny)
+
+    assert requires_grad_flags(tiny) == original_flags
+    assert patched_modules(tiny) == [] and not hasattr(tiny, "_logra_patch")
+    assert all("forward" not in vars(m) and not hasattr(m, "_logra") for m in tiny.modules())
+    assert dict(tiny.model.embed_tokens._forward_hooks) == embedding_hooks
+    tiny.eval()
+    with torch.no_grad():
+        assert torch.equal(tiny(**batch).logits, original_logits)
+    # Training is dense again: target weights receive ordinary gradients, the old sketches nothing.
+    before = [s.clone() for s in opt.sketch_buffers()]
+    tiny.train()
+    tiny(**batch).loss.backward()
+    assert tiny.model.layers[0].mlp.up_proj.weight.grad is not None
+    assert all(torch.equal(a, b) for a, b in zip(before, opt.sketch_buffers()))
+
+
+def test_unpatch_of_an_unpatched_model_is_a_no_op(tiny):
+    flags = requires_grad_flags(tiny)
+    assert unpatch_model(tiny) is tiny
+    assert requires_grad_flags(tiny) == flags
+
+
+def test_freeze_non_targets_false_leaves_other_flags(tiny):
+    patch_model(tiny, freeze_non_targets=False)
+    flags = requires_grad_flags(tiny)
+    targets = {f"{n}.weight" for n in expected_names()}
+    assert all(flags[n] is (n not in targets) for n in flags)
+
+
+# --------------------------------------------------------------------------------------------------
+# How models are run
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_gradient_checkpointing_gives_the_same_sketches(batch, use_reentrant):
+    reference = train_sketches(patch_model(tiny_qwen2()), batch)
+    model = tiny_qwen2()
+    enable_checkpointing(model, use_reentrant)
+    patch_model(model)
+    checkpointed = train_sketches(model, batch)
+    assert all(s.abs().sum() > 0 for s in reference.values())
+    for name in reference:
+        # Recomputation replays the same forward; only the GEMM grouping may differ.
+        torch.testing.assert_close(checkpointed[name], reference[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_autocast_bf16(batch):
+    reference = train_sketches(patch_model(tiny_qwen2()), batch)
+    model = patch_model(tiny_qwen2())
+    LoGRAOptimizer(model, rank=4, lr=1.0)
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(**batch).loss
+    loss.backward()
+    got = sketches(model)
+    for name in reference:
+        assert got[name].dtype == torch.float32 and torch.isfinite(got[name]).all()
+        # A few bf16 roundings (2⁻⁸ each) compounded through two layers: a few percent at most.
+        relative = torch.linalg.norm(got[name] - reference[name]) / torch.linalg.norm(reference[name])
+        assert relative < 0.05, name
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_bf16_weights(batch):
+    reference = train_sketches(patch_model(tiny_qwen2()), batch)
+    model = patch_model(tiny_qwen2(dtype=torch.bfloat16))
+    opt = LoGRAOptimizer(model, rank=4, lr=1e-2)
+    model.train()
+    model(**batch).loss.backward()
+    got = sketches(model)
+    for name in reference:
+        assert got[name].dtype == torch.float32
+        # bf16 weights *and* activations end to end: looser than autocast, still a close match.
+        relative = torch.linalg.norm(got[name] - reference[name]) / torch.linalg.norm(reference[name])
+        assert relative < 0.1, name
+    before = model.model.layers[0].mlp.up_proj.weight.clone()
+    opt.step()
+    after = model.model.layers[0].mlp.up_proj.weight
+    assert after.dtype == torch.bfloat16 and not torch.equal(after, before)
+
+
+class OutputShapes(TorchDispatchMode):
+    """Records the shape of every tensor any aten op produces: sees the x Aᵀ product even when
+    autograd keeps nothing of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.shapes += [tuple(t.shape) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
+
+    def projected_inputs(self, rank):
+        # ``rank`` is chosen to be no dimension of the tiny model, so a trailing ``rank`` is x Aᵀ.
+        return [shape for shape in self.shapes if shape and shape[-1] == rank]
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_no_sketch_work_without_grad(tiny, batch, mode):
+    plain = copy.deepcopy(tiny)
+    patch_model(tiny)
+    LoGRAOptimizer(tiny, rank=3, lr=1.0)
+    context = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    for model in (tiny, plain):
+        model.train()  # train mode alone must not trigger sketch work
+    with context():
+        with OutputShapes() as ops:
+            logits = tiny(**batch).logits
+        expected = plain(**batch).logits
+    assert ops.shapes and not ops.projected_inputs(3)
+    assert torch.equal(logits, expected)
+    assert all(not s.any() for s in sketches(tiny).values())
+
+
+def test_no_sketch_work_in_eval_mode(tiny, batch):
+    """Eval forwards with grad enabled (e.g. a reference-model pass) may even be backpropagated;
+    they must not compute projected inputs nor contribute to the sketch."""
+    plain = copy.deepcopy(tiny)
+    patch_model(tiny)
+    LoGRAOptimizer(tiny, rank=3, lr=1.0)
+    tiny.eval()
+    plain.eval()
+    with OutputShapes() as ops:
+        loss = tiny(**batch).loss
+        loss.backward()
+    assert ops.shapes and not ops.projected_inputs(3)
+    assert torch.equal(loss.detach(), plain(**batch).loss.detach())
+    assert all(not s.any() for s in sketches(tiny).values())
+    # The same recorder does see the projection in a training forward.
+    tiny.train()
+    with OutputShapes() as ops:
+        tiny(**batch)
+    assert len(ops.projected_inputs(3)) >= 14
+
+
+@pytest.mark.parametrize("train_mode", [False, True])
+def test_generate(tiny, batch, train_mode):
+    plain = copy.deepcopy(tiny)
+    patch_model(tiny)
+    LoGRAOptimizer(tiny, rank=4, lr=1.0)
+    prompt = batch["input_ids"][:2, :5]
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt))
+    plain.eval()
+    tiny.train(train_mode)
+    expected = plain.generate(prompt, **kwargs)
+    got = tiny.generate(prompt, **kwargs)
+    assert got.shape == (2, 11) and torch.equal(got, expected)
+    assert all(not s.any() for s in sketches(tiny).values())

@@ -1,0 +1,223 @@
+"""Projections ``A`` (METHOD.md §1): scale, unbiasedness, and bit-exact regeneration.
+
+Every party that needs ``A`` (the patched layer, the merge, another rank, the rollout engine, a
+resumed run) regenerates it from ``(seed, update index, module name)``; any drift between them
+silently corrupts the merged weights, hence the emphasis on bit-identity.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from logra_optim import canonical_name, make_projection, projection_seed
+
+KINDS = ("rademacher", "gaussian")
+Q_PROJ = "model.layers.0.self_attn.q_proj"
+
+
+def digest(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.contiguous().numpy().tobytes()).hexdigest()
+
+
+# --------------------------------------------------------------------------------------------------
+# Names and seeds
+
+
+@pytest.mark.parametrize(
+    "wrapped",
+    [
+        "model.layers.0.self_attn.q_proj",
+        "module.model.layers.0.self_attn.q_proj",  # DDP / DeepSpeed engine
+        "_orig_mod.model.layers.0.self_attn.q_proj",  # torch.compile
+        "model._fsdp_wrapped_module.layers.0.self_attn.q_proj",  # FSDP1
+        "model.layers.0._checkpoint_wrapped_module.self_attn.q_proj",  # activation checkpointing
+        "model.layers.0._fsdp_wrapped_module._checkpoint_wrapped_module.self_attn.q_proj",
+        "module._orig_mod.model.layers.0._fsdp_wrapped_module.self_attn.q_proj",
+        "_orig_mod.module.model.layers.0.self_attn.q_proj",
+    ],
+)
+def test_canonical_name_strips_wrapper_prefixes(wrapped):
+    assert canonical_name(wrapped) == Q_PROJ
+    assert projection_seed(3, 5, wrapped) == projection_seed(3, 5, Q_PROJ)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model.module.layers.0.q_proj",  # a submodule really called "module", not a leading wrapper
+        "model.layers.0.my_orig_mod.q_proj",  # substring of a wrapper name, not a component
+        "model.layers.0._orig_mod_x.q_proj",
+        "q_proj",
+        "",
+    ],
+)
+def test_canonical_name_leaves_real_components_alone(name):
+    assert canonical_name(name) == name
+
+
+@given(
+    seed=st.integers(0, 2**62),
+    index=st.integers(0, 10**6),
+    name=st.text(min_size=1, max_size=30),
+)
+@settings(max_examples=50)
+def test_seed_separates_seed_index_and_name(seed, index, name):
+    base = projection_seed(seed, index, name)
+    assert 0 <= base < 2**63
+    assert projection_seed(seed, index, name) == base
+    assert projection_seed(seed + 1, index, name) != base
+    assert projection_seed(seed, index + 1, name) != base
+    assert projection_seed(seed, index, name + "x") != base
+
+
+# --------------------------------------------------------------------------------------------------
+# Values
+
+
+@given(r=st.integers(1, 64), k=st.integers(1, 64), seed=st.integers(0, 2**63 - 1))
+@settings(max_examples=40)
+def test_rademacher_entries_are_exactly_plus_minus_inverse_sqrt_r(r, k, seed):
+    a = make_projection(seed, r, k, "rademacher")
+    assert a.shape == (r, k) and a.dtype == torch.float32
+    magnitude = torch.tensor(1.0 / math.sqrt(r), dtype=torch.float64).float()
+    assert torch.equal(a.abs(), magnitude.expand(r, k))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dtype_and_device_arguments_only_cast(kind):
+    a = make_projection(11, 8, 40, kind)
+    assert torch.equal(make_projection(11, 8, 40, kind, dtype=torch.bfloat16), a.to(torch.bfloat16))
+    assert torch.equal(make_projection(11, 8, 40, kind, device="cpu", dtype=torch.float64), a.double())
+
+
+def test_unknown_projection_kind_is_rejected():
+    with pytest.raises(ValueError, match="projection must be one of .*'sparse'"):
+        make_projection(0, 4, 8, "sparse")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_entry_distribution(kind):
+    """Mean 0 and variance 1/r, checked against the sampling error of N entries."""
+    r, k, count = 16, 64, 64
+    entries = torch.cat([make_projection(projection_seed(0, i, "p"), r, k, kind).flatten() for i in range(count)])
+    entries = entries.double() * math.sqrt(r)  # unit variance if the scale is right
+    n = entries.numel()
+    assert abs(entries.mean().item()) < 5.0 / math.sqrt(n)
+    # Var of x² is 0 for ±1 and 2 for N(0, 1): the sample variance is exact or within 5 σ.
+    second_moment_sd = math.sqrt(2.0 / n) if kind == "gaussian" else 1e-12
+    assert abs(entries.square().mean().item() - 1.0) < 5.0 * second_moment_sd + 1e-12
+    if kind == "gaussian":
+        # Shape, not just moments: P(|x| < 1) = 0.6827 for a normal, 0 for ±1 or a badly scaled uniform.
+        p = math.erf(1 / math.sqrt(2))
+        inside = (entries.abs() < 1).double().mean().item()
+        assert abs(inside - p) < 5.0 * math.sqrt(p * (1 - p) / n)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_expected_gram_is_identity(kind):
+    """E[AᵀA] = I_k, so S A = G AᵀA is an unbiased estimate of G.
+
+    Each entry of the mean of M Gram matrices is compared with the identity in units of its own
+    standard error: off-diagonal entries have variance 1/r per draw; the diagonal has variance 0
+    (Rademacher: exactly 1) or 2/r (Gaussian). The max-|z| bound is Bonferroni over the k² entries;
+    the mean z² checks that the spread is the predicted one, not just that the mean is close.
+    """
+    r, k, m = 4, 24, 400
+    gram = torch.zeros(k, k, dtype=torch.float64)
+    for i in range(m):
+        a = make_projection(projection_seed(1, i, "gram"), r, k, kind).double()
+        gram += a.t() @ a
+    gram /= m
+    eye = torch.eye(k, dtype=torch.float64)
+    off = ~torch.eye(k, dtype=torch.bool)
+    z_off = (gram - eye)[off] / math.sqrt(1.0 / (r * m))
+    assert z_off.abs().max() < 5.0
+    assert 0.75 < z_off.square().mean() < 1.25
+    diagonal = gram.diagonal()
+    if kind == "rademacher":
+        torch.testing.assert_close(diagonal, torch.ones(k, dtype=torch.float64), rtol=0, atol=1e-6)
+    else:
+        assert ((diagonal - 1) / math.sqrt(2.0 / (r * m))).abs().max() < 5.0
+
+
+@given(r=st.integers(4, 32), k=st.integers(16, 64), seed=st.integers(0, 2**63 - 1), kind=st.sampled_from(KINDS))
+@settings(max_examples=30)
+def test_same_seed_same_bits_other_seed_other_matrix(r, k, seed, kind):
+    a = make_projection(seed, r, k, kind)
+    assert torch.equal(make_projection(seed, r, k, kind), a)
+    # ≥ 64 independent entries: an accidental match has probability ≤ 2⁻⁶⁴.
+    assert not torch.equal(make_projection(seed ^ 1, r, k, kind), a)
+
+
+# --------------------------------------------------------------------------------------------------
+# Bit-identity across processes, machines and versions
+
+_CHILD = textwrap.dedent(
+    """
+    import hashlib, json, sys
+    from logra_optim import make_projection, projection_seed
+    out = {}
+    for kind in ("rademacher", "gaussian"):
+        for name in sys.argv[1:]:
+            a = make_projection(projection_seed(7, 3, name), 8, 96, kind)
+            out[kind + ":" + name] = [projection_seed(7, 3, name), hashlib.sha256(a.numpy().tobytes()).hexdigest()]
+    print(json.dumps(out))
+    """
+)
+
+
+def test_projection_is_bit_identical_in_a_separate_process():
+    import json
+
+    names = [
+        Q_PROJ,
+        "module._orig_mod.model.layers.0._fsdp_wrapped_module.self_attn.q_proj",
+        "model.layers.1.mlp.up_proj",
+    ]
+    expected = {}
+    for kind in KINDS:
+        for name in names:
+            seed = projection_seed(7, 3, name)
+            expected[f"{kind}:{name}"] = [seed, digest(make_projection(seed, 8, 96, kind))]
+    # A different hash seed and a single thread: neither may influence A.
+    env = dict(os.environ, PYTHONHASHSEED="12345", OMP_NUM_THREADS="1")
+    child = subprocess.run(
+        [sys.executable, "-c", _CHILD, *names], capture_output=True, text=True, env=env, timeout=120, check=True
+    )
+    got = json.loads(child.stdout.strip().splitlines()[-1])
+    assert got == expected
+    # Wrapping the name must not change A.
+    assert got[f"rademacher:{names[0]}"] == got[f"rademacher:{names[1]}"]
+    assert got[f"rademacher:{names[0]}"] != got[f"rademacher:{names[2]}"]
+
+
+def test_projection_matches_pinned_bits():
+    """Golden values: a checkpoint or a rollout engine on another version must regenerate the same A.
+    If this fails the projection stream changed; that must be a deliberate, versioned change
+    (the ``logra/v1`` key), never a side effect."""
+    seed = projection_seed(0, 0, Q_PROJ)
+    assert seed == 6096856087719476021
+    assert digest(make_projection(seed, 8, 64, "rademacher")) == (
+        "904e85542dda89aea649a28eccda83477c137a484a04a52ed0094a4298056b00"
+    )
+    assert digest(make_projection(seed, 8, 64, "gaussian")) == (
+        "da12fb74215eab9ef9c59346782290c5b0e2d7d86930e295440008bb9dcca08e"
+    )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", KINDS)
+def test_projection_is_bit_identical_on_cuda(kind):
+    cpu = make_projection(123, 16, 256, kind)
+    cuda = make_projection(123, 16, 256, kind, device="cuda")
+    assert torch.equal(cuda.cpu(), cpu)

@@ -1,0 +1,322 @@
+"""Sketch accumulation inside backward (METHOD.md §1): ``S += gᵀ (x Aᵀ)`` equals ``G Aᵀ`` with
+``G = gᵀ x`` computed densely in float64, without ever saving ``x`` or forming a d×k gradient."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from logra_optim import LoGRAOptimizer, make_projection, patch_model, projection_seed
+from logra_optim.sketch import GRAPH_ANCHOR, SketchBank, sketched_linear
+from tiny import OneLinear, fixed_batch, tiny_qwen2
+
+U32 = 2.0**-24
+U16 = 2.0**-8
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def sketch_error_bound(g, x, a, dtype, n, k):
+    """Elementwise forward-error bound for ``S = gᵀ (x Aᵀ)``: the rounding errors of both products
+    are bounded by ``γ · |g|ᵀ |x| |A|ᵀ``. fp32: ``γ = (n + k + 2)·u``. bf16: inputs, ``A`` cast to
+    bf16, ``x Aᵀ`` and the d×r product are each rounded once to bf16 (fp32 accumulation inside the
+    GEMMs), so ``γ ≈ 4·u_bf16`` on top of the fp32 accumulation term."""
+    scale = g.abs().t() @ (x.abs() @ a.abs().t())
+    gamma = (n + k + 2) * U32 + (4 * U16 if dtype == torch.bfloat16 else 0.0)
+    return gamma * scale
+
+
+def random_problem(b, t, k, d, generator, dtype):
+    """Activations (with a spread of per-feature scales) and output gradients, already in ``dtype``
+    so that their float64 copies are exactly the values the kernel sees."""
+    x = (torch.randn(b, t, k, generator=generator) * torch.exp(torch.randn(1, 1, k, generator=generator))).to(dtype)
+    g = torch.randn(b, t, d, generator=generator).to(dtype)
+    return x, g
+
+
+@given(
+    b=st.integers(1, 3),
+    t=st.integers(1, 6),
+    k=st.integers(1, 24),
+    d=st.integers(1, 24),
+    r=st.integers(1, 16),
+    bias=st.booleans(),
+    kind=st.sampled_from(["rademacher", "gaussian"]),
+    dtype=st.sampled_from(list(DTYPES)),
+    seed=st.integers(0, 2**31 - 1),
+)
+@settings(max_examples=80)
+def test_sketched_linear_matches_dense_float64(b, t, k, d, r, bias, kind, dtype, seed):
+    dtype = DTYPES[dtype]
+    generator = torch.Generator().manual_seed(seed)
+    x, g = random_problem(b, t, k, d, generator, dtype)
+    x.requires_grad_(True)
+    weight = (torch.randn(d, k, generator=generator) / math.sqrt(k)).to(dtype)
+    bias_t = torch.randn(d, generator=generator).to(dtype).requires_grad_(True) if bias else None
+    a = make_projection(seed, r, k, kind)
+    sketch = torch.zeros(d, r)
+
+    y = sketched_linear(x, weight, bias_t, a, sketch)
+    assert torch.equal(y, F.linear(x, weight, bias_t))  # the forward is the plain linear, bit for bit
+    y.backward(g)
+
+    n = b * t
+    x64, g64, a64, w64 = x.detach().double().reshape(n, k), g.double().reshape(n, d), a.double(), weight.double()
+    dense_grad = g64.t() @ x64  # G = gᵀ x, d×k
+    expected = dense_grad @ a64.t()
+    assert sketch.dtype == torch.float32
+    assert ((sketch.double() - expected).abs() <= sketch_error_bound(g64, x64, a64, dtype, n, k)).all()
+    assert weight.grad is None
+
+    # Input and bias gradients are the ordinary ones.
+    grad_x = x.grad.double().reshape(n, k)
+    gamma = (d + 2) * U32 + (2 * U16 if dtype == torch.bfloat16 else 0.0)
+    assert x.grad.dtype == dtype
+    assert ((grad_x - g64 @ w64).abs() <= gamma * (g64.abs() @ w64.abs())).all()
+    if bias:
+        gamma = (n + 2) * U32 + (2 * U16 if dtype == torch.bfloat16 else 0.0)
+        assert ((bias_t.grad.double() - g64.sum(0)).abs() <= gamma * g64.abs().sum(0)).all()
+
+
+@given(
+    n=st.integers(2, 40),
+    k=st.integers(1, 20),
+    d=st.integers(1, 20),
+    r=st.integers(1, 10),
+    cuts=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=5),
+    seed=st.integers(0, 2**31 - 1),
+)
+@settings(max_examples=60)
+def test_microbatch_accumulation_equals_one_batch(n, k, d, r, cuts, seed):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, k, generator=generator)
+    g = torch.randn(n, d, generator=generator)
+    weight = torch.randn(d, k, generator=generator)
+    a = make_projection(seed, r, k, "gaussian")
+    bounds = sorted({0, n, *(int(c * n) for c in cuts)})
+
+    accumulated = torch.zeros(d, r)
+    for start, stop in zip(bounds, bounds[1:]):
+        sketched_linear(x[start:stop], weight, None, a, accumulated).backward(g[start:stop])
+    single = torch.zeros(d, r)
+    sketched_linear(x, weight, None, a, single).backward(g)
+
+    expected = (g.double().t() @ x.double()) @ a.double().t()
+    bound = sketch_error_bound(g.double(), x.double(), a.double(), torch.float32, n, k)
+    assert ((accumulated.double() - expected).abs() <= bound).all()
+    assert ((accumulated.double() - single.double()).abs() <= 2 * bound).all()
+
+
+@given(
+    d=st.integers(1, 16),
+    k=st.integers(1, 16),
+    r_fraction=st.floats(0.0, 1.0),
+    microbatches=st.lists(st.tuples(st.integers(1, 3), st.integers(1, 5)), min_size=1, max_size=4),
+    kind=st.sampled_from(["rademacher", "gaussian"]),
+    dtype=st.sampled_from(list(DTYPES)),
+    seed=st.integers(0, 2**31 - 1),
+)
+@settings(max_examples=40)
+def test_patched_linear_with_optimizer_accumulates_dense_reference(d, k, r_fraction, microbatches, kind, dtype, seed):
+    """The public path: patch_model on a named nn.Linear, LoGRAOptimizer binding A (seeded from
+    the module name, update index 0) and several backward calls before any step."""
+    dtype = DTYPES[dtype]
+    r = 1 + int(r_fraction * (min(d, k) - 1))
+    model = OneLinear(k, d, seed=seed % 1000).to(dtype)
+    patch_model(model, target_modules=["proj"])
+    LoGRAOptimizer(model, rank=r, projection=kind, lr=1.0, seed=seed)
+    target = model.proj._logra
+    assert torch.equal(target.projection, make_projection(projection_seed(seed, 0, "proj"), r, k, kind))
+
+    generator = torch.Generator().manual_seed(seed)
+    dense_grad = torch.zeros(d, k, dtype=torch.float64)
+    bound = torch.zeros(d, r, dtype=torch.float64)
+    a64 = target.projection.double()
+    for b, t in microbatches:
+        x, g = random_problem(b, t, k, d, generator, dtype)
+        model(x).backward(g)
+        x64, g64 = x.double().reshape(-1, k), g.double().reshape(-1, d)
+        dense_grad += g64.t() @ x64
+        bound += sketch_error_bound(g64, x64, a64, dtype, b * t, k)
+    assert model.proj.weight.grad is None and model.proj.bias.grad is None
+    assert ((target.sketch.double() - dense_grad @ a64.t()).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("kind", ["rademacher", "gaussian"])
+def test_sketch_reconstruction_is_unbiased(kind):
+    """E[S A] = G: average the reconstruction over M independently seeded projections and compare
+    every entry with G in units of its standard error. For one draw,
+    Var[(S A)_ab] = (‖G_a‖² + (κ − 1) G_ab²) / r with κ = 0 (Rademacher) or 2 (Gaussian); the mean of
+    M draws has 1/M of it. Bonferroni over the d·k entries at |z| < 5, plus the mean z² ≈ 1, which
+    fails if the projection is mis-scaled (biased) or the spread is not the predicted one."""
+    d, k, r, m, n = 12, 40, 4, 300, 30
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(n, k, generator=generator)
+    g = torch.randn(n, d, generator=generator)
+    weight = torch.randn(d, k, generator=generator)
+    dense_grad = g.double().t() @ x.double()
+
+    total = torch.zeros(d, k, dtype=torch.float64)
+    for i in range(m):
+        a = make_projection(projection_seed(0, i, "model.layers.0.mlp.up_proj"), r, k, kind)
+        sketch = torch.zeros(d, r)
+        sketched_linear(x, weight, None, a, sketch).backward(g)
+        total += sketch.double() @ a.double()
+    mean = total / m
+
+    kappa = 0.0 if kind == "rademacher" else 2.0
+    row_sq = dense_grad.square().sum(dim=1, keepdim=True)
+    variance = (row_sq + (kappa - 1.0) * dense_grad.square()) / (r * m)
+    z = (mean - dense_grad) / variance.sqrt()
+    assert z.abs().max() < 5.0
+    assert 0.75 < z.square().mean() < 1.25
+
+
+# --------------------------------------------------------------------------------------------------
+# What is saved for backward
+
+
+class SavedTensors:
+    """Records every tensor autograd saves for backward while active."""
+
+    def __init__(self):
+        self.saved: list[torch.Tensor] = []
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, tensor):
+        self.saved.append(tensor)
+        return tensor
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_patched_linear_saves_only_the_projected_input_and_its_weight(dtype):
+    n_tokens, k, d, r = 5, 12, 7, 3  # distinct sizes so shapes identify tensors
+    model = OneLinear(k, d).to(dtype)
+    reference = OneLinear(k, d).to(dtype)
+    x = torch.randn(1, n_tokens, k, dtype=dtype, requires_grad=True)
+
+    # The unpatched layer saves x itself: the check below can see it.
+    with SavedTensors() as unpatched:
+        reference(x)
+    assert any(t.shape[-1] == k and t.numel() == n_tokens * k for t in unpatched.saved)
+
+    patch_model(model, target_modules=["proj"])
+    LoGRAOptimizer(model, rank=r, lr=1.0)
+    with SavedTensors() as patched:
+        y = model(x)
+    shapes = sorted(tuple(t.shape) for t in patched.saved)
+    assert shapes == sorted([(1, n_tokens, r), (d, k)])
+    projected = next(t for t in patched.saved if t.shape[-1] == r)
+    assert projected.dtype == dtype  # activation dtype, not fp32
+    saved_weight = next(t for t in patched.saved if t.shape == (d, k))
+    assert saved_weight.data_ptr() == model.proj.weight.data_ptr()  # the parameter, not a copy
+    y.sum().backward()
+    assert model.proj._logra.sketch.abs().sum() > 0
+
+
+def test_no_target_input_is_saved_in_a_training_forward_of_qwen2():
+    """In a whole decoder, no tensor that is the input of a target may be saved for backward (other
+    ops legitimately save same-shaped tensors, so storage identity, not shape, is checked)."""
+    batch = fixed_batch()
+
+    def target_inputs_and_saved(model):
+        inputs, handles = [], []
+        for name, module in model.named_modules():
+            if name.rsplit(".", 1)[-1] in {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}:
+                handles.append(module.register_forward_pre_hook(lambda m, args: inputs.append(args[0])))
+        with SavedTensors() as recorder:
+            model(**batch).loss.backward()
+        for handle in handles:
+            handle.remove()
+        # Storage identity: linear may save a reshaped view of its input rather than the input.
+        saved = {t.untyped_storage().data_ptr() for t in recorder.saved}
+        return [t.untyped_storage().data_ptr() in saved for t in inputs]
+
+    plain = tiny_qwen2()
+    for p in plain.parameters():
+        p.requires_grad_(False)
+    for name, p in plain.named_parameters():
+        if "layers" in name and "norm" not in name:
+            p.requires_grad_(True)
+    plain.train()
+    found = target_inputs_and_saved(plain)
+    assert len(found) == 14 and all(found)  # an ordinary model saves every target's input
+
+    patched = patch_model(tiny_qwen2())
+    LoGRAOptimizer(patched, rank=4, lr=1.0)
+    patched.train()
+    found = target_inputs_and_saved(patched)
+    assert len(found) == 14 and not any(found)
+    assert all(m.weight.grad is None for m in patched.modules() if hasattr(m, "_logra"))
+
+
+# --------------------------------------------------------------------------------------------------
+# Graph and gradients
+
+
+def test_input_gradients_match_an_unpatched_model():
+    batch = fixed_batch()
+    patched = patch_model(tiny_qwen2())
+    LoGRAOptimizer(patched, rank=4, lr=1.0)
+    plain = tiny_qwen2()
+    grads = []
+    for model in (patched, plain):
+        model.train()
+        embeds = model.get_input_embeddings()(batch["input_ids"]).detach().requires_grad_(True)
+        model(inputs_embeds=embeds, labels=batch["labels"]).loss.backward()
+        grads.append(embeds.grad)
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-7)
+
+
+def test_graph_exists_with_everything_below_the_first_target_frozen():
+    # The input does not require grad and no parameter does either.
+    model = patch_model(OneLinear(6, 5), target_modules=["proj"])
+    LoGRAOptimizer(model, rank=2, lr=1.0)
+    x = torch.randn(3, 6)
+    y = model(x)
+    assert y.requires_grad
+    y.sum().backward()
+    assert model.proj._logra.sketch.abs().sum() > 0
+    assert GRAPH_ANCHOR.grad is None  # the anchor only makes the graph exist; it collects nothing
+
+
+def test_frozen_embeddings_still_sketch_the_first_layer():
+    model = patch_model(tiny_qwen2())
+    LoGRAOptimizer(model, rank=4, lr=1.0)
+    assert not model.get_input_embeddings().weight.requires_grad
+    model.train()
+    model(**fixed_batch()).loss.backward()
+    first = model.model.layers[0].self_attn.q_proj
+    assert first._logra.sketch.abs().sum() > 0
+    assert all(p.grad is None for p in model.parameters())
+
+
+# --------------------------------------------------------------------------------------------------
+# SketchBank
+
+
+def test_sketch_bank_views_share_one_flat_buffer():
+    bank = SketchBank([(3, 2), (4, 2), (1, 5)], [torch.device("cpu")] * 3)
+    (flat,) = bank.flat_buffers()
+    assert flat.dtype == torch.float32 and flat.numel() == 6 + 8 + 5
+    for i, view in enumerate(bank.views):
+        view.fill_(i + 1)
+    assert torch.equal(flat, torch.tensor([1.0] * 6 + [2.0] * 8 + [3.0] * 5))
+    assert bank.all_finite() and bank.any_nonzero()
+    bank.views[1][2, 1] = float("nan")
+    assert not bank.all_finite()
+    bank.zero_()
+    assert bank.all_finite() and not bank.any_nonzero()

@@ -1,0 +1,354 @@
+"""The update math of METHOD.md §2 (``logra_optim.updates``) against float64 dense references."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from logra_optim.updates import (
+    low_rank_sq_norm,
+    merge_low_rank_,
+    relative_step_size,
+    rowadam_direction,
+    stochastic_round_to_bf16,
+)
+
+U32 = 2.0**-24  # unit roundoff of fp32
+U16 = 2.0**-8  # unit roundoff of bf16 (8 significant bits)
+
+
+def rowadam_reference(sketches, beta2, eps, v0=None):
+    """METHOD.md §2 RowAdam, transcribed literally in float64. Returns [(U_t, v_t)] for t = 1, 2, …"""
+    v = torch.zeros(sketches[0].shape[0], dtype=torch.float64) if v0 is None else v0.double()
+    out = []
+    for t, s in enumerate(sketches, start=1):
+        s = s.double()
+        v = beta2 * v + (1 - beta2) * (s**2).mean(dim=1)
+        rho = torch.sqrt(v / (1 - beta2**t))
+        den = rho + eps * rho.mean()
+        u = s / den[:, None]
+        u = u * (torch.linalg.norm(s) / torch.linalg.norm(u))
+        out.append((u, v.clone()))
+    return out
+
+
+def random_sketch(d, r, generator, spread=3.0):
+    """A sketch whose rows differ in scale by orders of magnitude, as layers' output rows do; this is
+    what makes a per-row normaliser differ from a global one."""
+    row_scale = torch.exp(spread * torch.randn(d, 1, generator=generator, dtype=torch.float64))
+    return (torch.randn(d, r, generator=generator, dtype=torch.float64) * row_scale).float()
+
+
+# --------------------------------------------------------------------------------------------------
+# RowAdam
+
+
+@given(
+    d=st.integers(1, 24),
+    r=st.integers(1, 12),
+    steps=st.integers(1, 6),
+    beta2=st.sampled_from([0.0, 0.5, 0.95, 0.999]),
+    eps=st.sampled_from([1e-8, 1e-3, 0.5]),
+    seed=st.integers(0, 2**31 - 1),
+)
+@settings(max_examples=60)
+def test_rowadam_matches_float64_reference_over_steps(d, r, steps, beta2, eps, seed):
+    generator = torch.Generator().manual_seed(seed)
+    # Row scales drift between steps so the moment really carries history.
+    sketches = [random_sketch(d, r, generator) for _ in range(steps)]
+    reference = rowadam_reference(sketches, beta2, eps)
+    v = torch.zeros(d)
+    for t, (s, (u_ref, v_ref)) in enumerate(zip(sketches, reference), start=1):
+        u, v = rowadam_direction(s, v, t, beta2=beta2, eps=eps)
+        assert u.dtype == torch.float32 and v.shape == (d,)  # one moment per output row
+        torch.testing.assert_close(v.double(), v_ref, rtol=1e-5, atol=0)
+        # ‖U‖ = ‖S‖, so an absolute tolerance relative to ‖S‖ is the natural one for small entries.
+        torch.testing.assert_close(u.double(), u_ref, rtol=1e-5, atol=1e-6 * torch.linalg.norm(s.double()).item())
+
+
+@given(d=st.integers(1, 32), r=st.integers(1, 16), t=st.integers(1, 50), seed=st.integers(0, 2**31 - 1))
+@settings(max_examples=40)
+def test_rowadam_preserves_the_sketch_norm(d, r, t, seed):
+    generator = torch.Generator().manual_seed(seed)
+    s = random_sketch(d, r, generator)
+    v = torch.rand(d, generator=generator) * s.square().mean()
+    u, _ = rowadam_direction(s, v, t)
+    torch.testing.assert_close(torch.linalg.norm(u.double()), torch.linalg.norm(s.double()), rtol=1e-5, atol=0)
+
+
+def test_rowadam_rescales_rows_not_just_a_constant():
+    """Guard against a direction that is merely a multiple of S (which would also satisfy ‖U‖ = ‖S‖):
+    at t = 1 with β2 = 0, every row of U has the same RMS."""
+    generator = torch.Generator().manual_seed(0)
+    s = random_sketch(8, 6, generator)
+    u, _ = rowadam_direction(s, torch.zeros(8), 1, beta2=0.0, eps=1e-12)
+    row_rms = u.double().square().mean(dim=1).sqrt()
+    torch.testing.assert_close(row_rms, row_rms.mean().expand(8), rtol=1e-5, atol=0)
+    assert s.double().square().mean(dim=1).sqrt().std() > 0.1 * row_rms.mean()
+
+
+@given(scale=st.floats(1e-20, 1e20), seed=st.integers(0, 2**31 - 1))
+@settings(max_examples=30)
+def test_rowadam_is_scale_equivariant(scale, seed):
+    """Relative ε: U(cS) = c U(S), unlike Adam's absolute ε which breaks down for tiny gradients
+    (RL policy-gradient sketches can be ~1e-10)."""
+    generator = torch.Generator().manual_seed(seed)
+    s = random_sketch(6, 4, generator, spread=1.0).double()
+    u, v = rowadam_direction(s, torch.zeros(6, dtype=torch.float64), 1)
+    u_scaled, v_scaled = rowadam_direction(s * scale, torch.zeros(6, dtype=torch.float64), 1)
+    torch.testing.assert_close(u_scaled, u * scale, rtol=1e-10, atol=0)
+    torch.testing.assert_close(v_scaled, v * scale**2, rtol=1e-10, atol=0)
+
+
+def test_rowadam_zero_rows_stay_zero_and_finite():
+    s = torch.tensor([[0.0, 0.0], [1.0, -2.0], [0.0, 0.0]])
+    u, _ = rowadam_direction(s, torch.zeros(3), 1)
+    assert torch.isfinite(u).all() and torch.equal(u[[0, 2]], torch.zeros(2, 2))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: an all-zero sketch with a zero moment gives den = 0 and U = 0/0 = NaN; in RL a batch whose "
+    "advantages are all zero produces exactly that, and the optimizer then merges NaN into every weight",
+)
+def test_rowadam_all_zero_sketch_gives_a_zero_direction():
+    u, v = rowadam_direction(torch.zeros(4, 3), torch.zeros(4), 1)
+    assert torch.equal(u, torch.zeros(4, 3)) and torch.equal(v, torch.zeros(4))
+
+
+def test_rowadam_does_not_mutate_its_state_argument():
+    """The optimizer commits the new moment only once the step is accepted (non-finite skip)."""
+    v = torch.full((4,), 0.25)
+    _, v_new = rowadam_direction(torch.ones(4, 2), v, 3)
+    assert torch.equal(v, torch.full((4,), 0.25)) and not torch.equal(v_new, v)
+
+
+def test_rowadam_moment_is_invariant_to_a_change_of_sketch_basis():
+    """The row moment only sees row norms of S; a sketch expressed in another orthonormal basis
+    (what a refreshed A amounts to, in expectation) leaves it unchanged. This is why the moment is
+    kept per output row and carried across refreshes."""
+    generator = torch.Generator().manual_seed(3)
+    s = random_sketch(10, 6, generator).double()
+    q, _ = torch.linalg.qr(torch.randn(6, 6, generator=generator, dtype=torch.float64))
+    v = torch.rand(10, generator=generator, dtype=torch.float64)
+    _, v_a = rowadam_direction(s, v, 4)
+    _, v_b = rowadam_direction(s @ q, v, 4)
+    torch.testing.assert_close(v_a, v_b, rtol=1e-12, atol=0)
+
+
+def test_rowadam_rejects_step_zero():
+    with pytest.raises(ValueError, match="step must be >= 1"):
+        rowadam_direction(torch.ones(2, 2), torch.zeros(2), 0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Step size
+
+
+@given(d=st.integers(1, 24), k=st.integers(1, 48), r=st.integers(1, 12), seed=st.integers(0, 2**31 - 1))
+@settings(max_examples=50)
+def test_low_rank_sq_norm_matches_dense(d, k, r, seed):
+    generator = torch.Generator().manual_seed(seed)
+    factor = random_sketch(d, r, generator, spread=1.0)
+    a = torch.randn(r, k, generator=generator)
+    dense = (factor.double() @ a.double()).square().sum()
+    # Gram products in fp32: error ≤ γ · Σ(|F|ᵀ|F|)∘(|A||A|ᵀ), bounded here by a relative 1e-5
+    # of the same sum taken in absolute values.
+    bound = ((factor.double().abs().t() @ factor.double().abs()) * (a.double().abs() @ a.double().abs().t())).sum()
+    got = low_rank_sq_norm(factor, a)
+    assert got.dtype == torch.float64
+    assert abs(got.item() - dense.item()) <= 1e-5 * bound.item()
+    # Also from a bf16 factor (the wire dtype).
+    got_bf16 = low_rank_sq_norm(factor.bfloat16(), a)
+    dense_bf16 = (factor.bfloat16().double() @ a.double()).square().sum()
+    assert abs(got_bf16.item() - dense_bf16.item()) <= 1e-5 * bound.item()
+
+
+@given(
+    ratio=st.floats(1e-8, 1.0),
+    shapes=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 16), st.integers(1, 6)), min_size=1, max_size=4),
+    seed=st.integers(0, 2**31 - 1),
+)
+@settings(max_examples=40)
+def test_relative_step_size_gives_the_requested_global_update_norm(ratio, shapes, seed):
+    generator = torch.Generator().manual_seed(seed)
+    weights, updates = [], []
+    for d, k, r in shapes:
+        weights.append(torch.randn(d, k, generator=generator, dtype=torch.float64))
+        updates.append(
+            torch.randn(d, r, generator=generator, dtype=torch.float64)
+            @ torch.randn(r, k, generator=generator, dtype=torch.float64)
+        )
+    w_sq = sum(float(w.square().sum()) for w in weights)
+    u_sq = sum(float(u.square().sum()) for u in updates)
+    eta = relative_step_size(ratio, w_sq, u_sq)
+    delta_sq = sum(float((eta * u).square().sum()) for u in updates)
+    assert math.isclose(math.sqrt(delta_sq / w_sq), ratio, rel_tol=1e-12)
+
+
+def test_relative_step_size_of_a_zero_direction_is_zero():
+    assert relative_step_size(1e-3, 4.0, 0.0) == 0.0
+
+
+# --------------------------------------------------------------------------------------------------
+# Merge
+
+
+def merge_inputs(d, k, r, seed, update_scale=1e-2):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(d, k, generator=generator)
+    factor = torch.randn(d, r, generator=generator) * update_scale
+    projection = torch.randn(r, k, generator=generator) / math.sqrt(r)
+    return weight, factor, projection
+
+
+@given(
+    d=st.integers(1, 24),
+    k=st.integers(1, 40),
+    r=st.integers(1, 12),
+    seed=st.integers(0, 2**31 - 1),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+@settings(max_examples=50)
+def test_merge_full_precision_matches_dense(d, k, r, seed, dtype):
+    weight, factor, projection = merge_inputs(d, k, r, seed)
+    weight = weight.to(dtype)
+    reference = weight.double() - factor.double() @ projection.double()
+    abs_product = weight.double().abs() + factor.double().abs() @ projection.double().abs()
+    u = U32 if dtype == torch.float32 else 2.0**-53
+    storage = weight.data_ptr()
+    assert merge_low_rank_(weight, factor, projection) is weight
+    assert weight.data_ptr() == storage and weight.dtype == dtype
+    assert ((weight.double() - reference).abs() <= (r + 2) * u * abs_product).all()
+
+
+@given(
+    d=st.integers(1, 40),
+    k=st.integers(1, 24),
+    r=st.integers(1, 8),
+    rows_per_chunk=st.integers(1, 7),
+    seed=st.integers(0, 2**31 - 1),
+)
+@settings(max_examples=50)
+def test_merge_bf16_in_row_chunks_matches_dense(d, k, r, rows_per_chunk, seed):
+    weight, factor, projection = merge_inputs(d, k, r, seed, update_scale=0.3)
+    weight = weight.bfloat16()
+    reference = weight.double() - factor.double() @ projection.double()
+    # chunk_bytes sized for a few rows of fp32 temporary, so d rows take ⌈d/rows⌉ chunks, usually
+    # with a ragged last one.
+    merge_low_rank_(weight, factor, projection, stochastic_rounding=False, chunk_bytes=rows_per_chunk * 4 * k)
+    assert weight.dtype == torch.bfloat16
+    # Round-to-nearest into bf16 (≤ u·|x|) of an fp32 value (≤ γ_r |F||A| + u32|W|).
+    fp32_error = (r + 2) * U32 * (weight.double().abs() + factor.double().abs() @ projection.double().abs())
+    assert ((weight.double() - reference).abs() <= U16 * reference.abs() + fp32_error).all()
+
+
+def test_merge_bf16_chunking_does_not_change_the_result():
+    weight, factor, projection = merge_inputs(37, 16, 4, 0, update_scale=0.3)
+    weight = weight.bfloat16()
+    one_chunk = merge_low_rank_(weight.clone(), factor, projection, stochastic_rounding=False)
+    for rows in (1, 5, 36):
+        chunked = merge_low_rank_(
+            weight.clone(), factor, projection, stochastic_rounding=False, chunk_bytes=rows * 4 * 16
+        )
+        assert torch.equal(chunked, one_chunk), rows
+    # A chunk smaller than one row still makes progress (one row per chunk).
+    tiny = merge_low_rank_(weight.clone(), factor, projection, stochastic_rounding=False, chunk_bytes=1)
+    assert torch.equal(tiny, one_chunk)
+
+
+def test_merge_into_a_row_block_touches_only_that_block():
+    """An FSDP2 shard is a row block of W; merging its rows of F must leave the others alone."""
+    weight, factor, projection = merge_inputs(12, 10, 3, 1)
+    full = weight.clone()
+    merge_low_rank_(weight[4:9], factor[4:9], projection)
+    assert torch.equal(weight[:4], full[:4]) and torch.equal(weight[9:], full[9:])
+    expected = full.clone()
+    merge_low_rank_(expected, factor, projection)
+    torch.testing.assert_close(weight[4:9], expected[4:9], rtol=0, atol=0)
+
+
+def test_merge_rejects_mismatched_shapes():
+    weight, factor, projection = merge_inputs(6, 8, 3, 0)
+    with pytest.raises(ValueError, match="merge shapes do not line up"):
+        merge_low_rank_(weight, factor[:, :2], projection)
+    with pytest.raises(ValueError, match="merge shapes do not line up"):
+        merge_low_rank_(weight, factor, projection[:, :5])
+
+
+def test_merge_bf16_stochastic_rounding_is_unbiased_for_sub_ulp_updates():
+    """Every row is the same weight and update, so the d rows are d independent roundings. The update
+    is 0.1 ulp: round-to-nearest would lose it entirely (a bias of 10 standard errors or more)."""
+    d, k = 20000, 4
+    w0 = torch.tensor([1.0, -1.5, 3.0, 0.75]).bfloat16()
+    ulp = torch.tensor([2.0**-7, 2.0**-7, 2.0**-6, 2.0**-8], dtype=torch.float64)
+    target_delta = 0.1 * ulp  # W − F A, expressed through a rank-1 factor and projection
+    weight = w0.expand(d, k).clone()
+    factor = torch.ones(d, 1)
+    projection = (-target_delta).float().unsqueeze(0)
+    generator = torch.Generator().manual_seed(0)
+    merge_low_rank_(weight, factor, projection, generator=generator, chunk_bytes=4 * k * 999)
+    moved = weight.double() - w0.double()
+    # Each entry is either unchanged or one ulp up (the update is +0.1 ulp everywhere).
+    assert ((moved == 0) | (moved == ulp)).all()
+    expected = w0.double() + target_delta.float().double()  # the fp32 sum being rounded
+    p = 0.1
+    standard_error = ulp * math.sqrt(p * (1 - p) / d)
+    assert ((weight.double().mean(0) - expected).abs() < 5 * standard_error).all()
+
+
+# --------------------------------------------------------------------------------------------------
+# Stochastic rounding
+
+
+def bf16_neighbours(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two bf16 values around fp32 ``x`` (toward zero, away from zero), as float64."""
+    toward_zero = (x.view(torch.int32) & -65536).view(torch.float32)
+    away = ((x.view(torch.int32) & -65536) + 65536).view(torch.float32)
+    return toward_zero.double(), away.double()
+
+
+def test_stochastic_rounding_is_unbiased():
+    generator = torch.Generator().manual_seed(0)
+    values = torch.cat(
+        [
+            torch.randn(32, generator=generator) * 10.0 ** torch.randint(-30, 30, (32,), generator=generator),
+            -torch.rand(16, generator=generator),
+        ]
+    ).float()
+    draws = 4000
+    rounded = stochastic_round_to_bf16(values.expand(draws, -1).contiguous(), torch.Generator().manual_seed(1))
+    assert rounded.dtype == torch.bfloat16
+    low, high = bf16_neighbours(values)
+    r64 = rounded.double()
+    assert ((r64 == low) | (r64 == high)).all()
+    # Bernoulli between the neighbours with p = distance to low / spacing: unbiased, with a per-value
+    # standard error of spacing·sqrt(p(1−p)/draws). Bonferroni over 48 values at 5σ.
+    p = ((values.double() - low) / (high - low)).clamp(0, 1)
+    standard_error = (high - low).abs() * torch.sqrt(p * (1 - p) / draws)
+    assert ((r64.mean(0) - values.double()).abs() <= 5 * standard_error + 1e-300).all()
+
+
+def test_stochastic_rounding_keeps_representable_and_non_finite_values():
+    exact = torch.tensor([0.0, -0.0, 1.0, -2.5, 3.0e38, 2.0**-130]).bfloat16().float()
+    # NaNs whose payload fills the low bits: adding rounding noise to their bit pattern would carry
+    # into the sign bit and turn them into ±0, silently hiding the NaN.
+    nan_payloads = torch.tensor([0x7FFFFFFF, -1, 0x7FFF8000], dtype=torch.int32).view(torch.float32)
+    special = torch.cat([torch.tensor([float("inf"), float("-inf"), float("nan")]), nan_payloads])
+    x = torch.cat([exact, special]).expand(1000, -1).contiguous()
+    out = stochastic_round_to_bf16(x, torch.Generator().manual_seed(0)).float()
+    assert torch.equal(out[:, :6], exact.expand(1000, -1))
+    assert (out[:, 6] == float("inf")).all() and (out[:, 7] == float("-inf")).all()
+    assert out[:, 8:].isnan().all()
+
+
+def test_stochastic_rounding_with_a_seeded_generator_is_reproducible():
+    x = torch.randn(1000)
+    a = stochastic_round_to_bf16(x, torch.Generator().manual_seed(5))
+    b = stochastic_round_to_bf16(x, torch.Generator().manual_seed(5))
+    c = stochastic_round_to_bf16(x, torch.Generator().manual_seed(6))
+    assert torch.equal(a, b) and not torch.equal(a, c)
