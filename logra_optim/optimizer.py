@@ -301,13 +301,12 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         started = time.perf_counter()
+        if not self._all_finite():
+            self.nonfinite_skips += 1
+            self._skip(f"non-finite sketch at update {self.update_index + 1} (or non-finite non-target gradient)", "nonfinite_sketch")
+            return loss
         if self.non_target_optimizer is not None:
             self.non_target_optimizer.step()
-
-        if not self._bank.all_finite():
-            self.nonfinite_skips += 1
-            self._skip(f"non-finite sketch at update {self.update_index + 1}", "nonfinite_sketch")
-            return loss
 
         plans = [self._plan(group) for group in self.param_groups]
         alpha, kl_stats, probe_result = 1.0, {}, None
@@ -334,6 +333,14 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self.stats = {"alpha": alpha, "eta": plans[0][2], **kl_stats,
                       "step_seconds": time.perf_counter() - started, **self._counters()}  # fmt: skip
         return loss
+
+    def _all_finite(self) -> bool:
+        if not self._bank.all_finite():
+            return False
+        if self.non_target_optimizer is None:
+            return True
+        grads = [p.grad for g in self.non_target_optimizer.param_groups for p in g["params"] if p.grad is not None]
+        return all(bool(torch.isfinite(grad).all()) for grad in grads)
 
     def _plan(self, group: dict):
         """``(group, [(module, target, U, state to commit)], η)``; mutates nothing."""
@@ -431,7 +438,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
     def _skip(self, why: str, reason: str) -> None:
         warnings.warn(f"LoGRA: {why}; update skipped, weights and optimizer state unchanged",
                       RuntimeWarning, stacklevel=3)  # fmt: skip
-        self._bank.zero_()
+        self.zero_grad()
         self.stats = {"skipped": reason, **self._counters()}
 
     def _counters(self) -> dict[str, Any]:

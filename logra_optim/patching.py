@@ -123,6 +123,11 @@ def find_target_modules(
     output embedding), as in peft.
     """
     if target_modules is not None and not isinstance(target_modules, str):
+        if not isinstance(target_modules, Iterable):
+            raise TypeError(
+                f"target_modules must be None, 'all-linear', a regular expression or a list of module names, "
+                f"got {type(target_modules).__name__}"
+            )
         target_modules = list(target_modules)
         if not target_modules or not all(isinstance(t, str) for t in target_modules):
             raise ValueError(f"target_modules must be None, a string or a list of names, got {target_modules!r}")

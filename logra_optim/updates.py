@@ -42,6 +42,8 @@ def rowadam_direction(
     v_new = row_second_moment * beta2 + sketch.square().mean(dim=1) * (1.0 - beta2)
     rms = (v_new / (1.0 - beta2**step)).sqrt()
     denominator = rms + eps * rms.mean()
+    # A row whose moment is still zero has had a zero sketch at every step: keep its direction 0.
+    denominator = denominator.masked_fill(denominator == 0, 1.0)
     direction = sketch / denominator.unsqueeze(1)
     direction_norm = torch.linalg.vector_norm(direction)
     sketch_norm = torch.linalg.vector_norm(sketch)

@@ -110,11 +110,6 @@ def test_invalid_target_modules_argument(tiny, bad):
         patch_model(tiny, target_modules=bad)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a non-iterable target_modules (e.g. 5) fails with \"'int' object is not iterable\", "
-    "which does not name the parameter",
-)
 def test_non_iterable_target_modules_names_the_parameter(tiny):
     with pytest.raises((ValueError, TypeError), match="target_modules"):
         patch_model(tiny, target_modules=5)
