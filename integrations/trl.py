@@ -1,0 +1,182 @@
+"""TRL adapter: train a ``GRPOTrainer`` / ``RLOOTrainer`` (or any ``transformers.Trainer``) with LoGRA.
+
+The two lines added to an existing TRL script::
+
+    model = patch_model(model)                                  # optional: attach_logra patches too
+    attach_logra(trainer, rank=256, kl_budget=2e-4)             # after the trainer, before train()
+
+``attach_logra`` does not hand the trainer an optimizer instance (DeepSpeed silently replaces one and
+FSDP rejects it); it sets ``trainer.optimizer_cls_and_kwargs`` to a factory, which every backend
+honours when the trainer builds its optimizer. Around that it wires what the trainer does not know
+about: the KL probe's temperature and contexts (recorded from the training forward: prompt +
+completion, probe positions = completion tokens; the probe runs a plain logits forward, not TRL's
+fused log-prob head), the rollout/trainer mismatch ``κ`` from GRPO's vLLM log-probs, and LoGRA's
+statistics in the trainer's logs (``logra/alpha``, ``logra/predicted_kl``, …).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback
+
+from logra_optim import LoGRAOptimizer, patch_model, patched_modules
+
+__all__ = ["attach_logra", "LoGRACallback"]
+
+# Optimizer statistics forwarded to the logs, and their names there.
+_LOGGED_STATS = {
+    "alpha": "logra/alpha",
+    "eta": "logra/eta",
+    "predicted_kl": "logra/predicted_kl",
+    "predicted_step_kl": "logra/predicted_step_kl",
+    "kl_budget": "logra/kl_budget",
+    "kl_budget_effective": "logra/kl_budget_effective",
+    "mismatch": "logra/mismatch",
+    "realised_kl": "logra/realised_kl",
+    "probe_tokens": "logra/probe_tokens",
+    "probe_seconds": "logra/probe_seconds",
+    "step_seconds": "logra/step_seconds",
+    "nonfinite_skips": "logra/nonfinite_skips",
+    "probe_skips": "logra/probe_skips",
+}
+
+
+class LoGRACallback(TrainerCallback):
+    """Feeds the mismatch ``κ`` before each optimizer step and collects LoGRA's statistics after it,
+    averaged into the next training log."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+        self.mismatch_samples: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.pending: dict[str, list[float]] = {}
+
+    @property
+    def optimizer(self) -> LoGRAOptimizer | None:
+        optimizer = self.trainer.optimizer
+        # Accelerate wraps the optimizer; DeepSpeed keeps it as .optimizer of its own.
+        while optimizer is not None and not isinstance(optimizer, LoGRAOptimizer):
+            optimizer = getattr(optimizer, "optimizer", None)
+        return optimizer
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        optimizer = self.optimizer
+        if optimizer is not None and self.mismatch_samples:
+            rollout = torch.cat([r.flatten() for r, _, _ in self.mismatch_samples])
+            trainer_logps = torch.cat([t.flatten() for _, t, _ in self.mismatch_samples])
+            mask = torch.cat([m.flatten() for _, _, m in self.mismatch_samples])
+            optimizer.observe_mismatch(rollout, trainer_logps, mask)
+        self.mismatch_samples.clear()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        optimizer = self.optimizer
+        if optimizer is None:
+            return
+        for key, name in _LOGGED_STATS.items():
+            value = optimizer.stats.get(key)
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                self.pending.setdefault(name, []).append(float(value))
+
+    def pop_logs(self) -> dict[str, float]:
+        logs = {name: sum(values) / len(values) for name, values in self.pending.items()}
+        self.pending = {}
+        return logs
+
+
+def attach_logra(trainer: Trainer, *, target_modules=None, **optimizer_kwargs: Any) -> LoGRACallback:
+    """Make ``trainer`` train with :class:`LoGRAOptimizer`; call before ``trainer.train()``.
+
+    ``optimizer_kwargs`` go to :class:`LoGRAOptimizer` (``rank``, ``kl_budget``, ``optimizer``,
+    ``update_ratio`` …). The KL probe's temperature defaults to the trainer's sampling temperature.
+    The model is patched here if it is not already (``target_modules`` as in :func:`patch_model`),
+    which covers trainers that built the model from a model id. The trainer's learning-rate
+    schedule scales ``update_ratio`` (or ``lr``); ``max_grad_norm`` is disabled (no dense gradient
+    exists to clip; the step size is set by ``kl_budget``/``update_ratio``). Returns the callback
+    that logs LoGRA's statistics.
+    """
+    if not isinstance(trainer, Trainer):
+        raise TypeError(
+            f"attach_logra expects a transformers.Trainer subclass (GRPOTrainer, RLOOTrainer, …), got "
+            f"{type(trainer).__name__}; in a custom loop use LoGRAOptimizer directly"
+        )
+    if trainer.optimizer is not None:
+        raise RuntimeError(
+            "attach_logra: the trainer already has an optimizer (passed through optimizers=(...) or already "
+            "created); construct the trainer without one and call attach_logra before train()"
+        )
+    model = trainer.model
+    if _is_peft_model(model):
+        raise ValueError(
+            "attach_logra: the trainer's model is PEFT-wrapped (peft_config was given); LoGRA trains the base "
+            "weights itself, so drop the peft_config/LoRA adapter"
+        )
+    if not patched_modules(model):
+        patch_model(model, target_modules)
+    elif target_modules is not None:
+        warnings.warn("attach_logra: the model is already patched; target_modules is ignored", stacklevel=2)
+    optimizer_kwargs.setdefault("temperature", float(getattr(trainer, "temperature", 1.0) or 1.0))
+
+    if trainer.args.max_grad_norm:
+        warnings.warn(
+            f"attach_logra: max_grad_norm={trainer.args.max_grad_norm} disabled: LoGRA targets have no dense "
+            "gradient to clip, and the update size is set by kl_budget/update_ratio",
+            stacklevel=2,
+        )
+        trainer.args.max_grad_norm = 0.0
+
+    class LoGRAOptimizerFactory:
+        """transformers instantiates a non-Optimizer class and calls it with ``(model, **kwargs)``."""
+
+        def __call__(self, model, **kwargs):
+            return LoGRAOptimizer(_unwrap(model), **kwargs)
+
+    trainer.optimizer_cls_and_kwargs = (LoGRAOptimizerFactory, optimizer_kwargs)
+    callback = LoGRACallback(trainer)
+    trainer.add_callback(callback)
+    _feed_mismatch_from_batches(trainer, callback)
+    _add_stats_to_logs(trainer, callback)
+    return callback
+
+
+def _unwrap(model):
+    # DDP / DeepSpeed engines keep the patched model as .module.
+    while not patched_modules(model) and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _is_peft_model(model) -> bool:
+    return hasattr(model, "peft_config") or type(model).__name__.startswith("Peft")
+
+
+def _feed_mismatch_from_batches(trainer: Trainer, callback: LoGRACallback) -> None:
+    """GRPO with vLLM puts the engine's log-probs of the sampled tokens (``sampling_per_token_logps``)
+    and the trainer's, before the update (``old_per_token_logps``), in each batch: exactly the pair
+    the mismatch estimate needs. They are collected per micro-batch and fed once per update."""
+    compute_loss = trainer.compute_loss
+
+    def compute_loss_recording_mismatch(model, inputs, *args, **kwargs):
+        if trainer.model.training and isinstance(inputs, dict):
+            rollout, current = inputs.get("sampling_per_token_logps"), inputs.get("old_per_token_logps")
+            mask = inputs.get("completion_mask")
+            if rollout is not None and current is not None and mask is not None:
+                callback.mismatch_samples.append((rollout.detach(), current.detach(), mask.detach()))
+        return compute_loss(model, inputs, *args, **kwargs)
+
+    trainer.compute_loss = compute_loss_recording_mismatch
+
+
+def _add_stats_to_logs(trainer: Trainer, callback: LoGRACallback) -> None:
+    """Merge LoGRA's averaged statistics into the trainer's training logs, so they reach stdout,
+    TensorBoard, W&B … through the trainer's own reporting."""
+    log = trainer.log
+
+    def log_with_logra_stats(logs: dict[str, float], *args, **kwargs):
+        if callback.pending and "train_runtime" not in logs:
+            logs = {**logs, **callback.pop_logs()}
+        return log(logs, *args, **kwargs)
+
+    trainer.log = log_with_logra_stats
