@@ -303,10 +303,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         started = time.perf_counter()
         if not self._all_finite():
             self.nonfinite_skips += 1
-            self._skip(f"non-finite sketch at update {self.update_index + 1} (or non-finite non-target gradient)", "nonfinite_sketch")
+            why = f"non-finite sketch (or non-target gradient) at update {self.update_index + 1}"
+            self._skip(why, "nonfinite_sketch")
             return loss
-        if self.non_target_optimizer is not None:
-            self.non_target_optimizer.step()
 
         plans = [self._plan(group) for group in self.param_groups]
         alpha, kl_stats, probe_result = 1.0, {}, None
@@ -315,6 +314,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             if chosen is None:
                 return loss
             alpha, kl_stats, probe_result = chosen
+        # Only once the update is certain; the predicted KL covers the targets' update alone.
+        if self.non_target_optimizer is not None:
+            self.non_target_optimizer.step()
 
         backup = None
         if self.kl_budget is not None and self.realised_kl_check:

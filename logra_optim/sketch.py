@@ -88,6 +88,3 @@ class SketchBank:
 
     def all_finite(self) -> bool:
         return all(bool(torch.isfinite(buffer).all()) for buffer in self.flat.values())
-
-    def any_nonzero(self) -> bool:
-        return any(bool(buffer.ne(0).any()) for buffer in self.flat.values())

@@ -590,7 +590,7 @@ def test_non_finite_sketch_skips_the_step_and_changes_nothing(poison):
         model(**fixed_batch(seed=1)).loss.backward()
         handle.remove()
     assert not all(torch.isfinite(s).all() for s in sketches(model).values())
-    with pytest.warns(RuntimeWarning, match="non-finite sketch at update 2"):
+    with pytest.warns(RuntimeWarning, match="non-finite sketch .* at update 2"):
         opt.step()
 
     assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
