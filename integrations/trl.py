@@ -16,6 +16,7 @@ statistics in the trainer's logs (``logra/alpha``, ``logra/predicted_kl``, …).
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from typing import Any
@@ -102,6 +103,12 @@ def attach_logra(trainer: Trainer, *, target_modules=None, **optimizer_kwargs: A
             f"attach_logra expects a transformers.Trainer subclass (GRPOTrainer, RLOOTrainer, …), got "
             f"{type(trainer).__name__}; in a custom loop use LoGRAOptimizer directly"
         )
+    if any(isinstance(callback, LoGRACallback) for callback in trainer.callback_handler.callbacks):
+        raise RuntimeError("attach_logra: LoGRA is already attached to this trainer")
+    try:  # Catch misspelt options now, not when train() builds the optimizer.
+        inspect.signature(LoGRAOptimizer).bind(trainer.model, **optimizer_kwargs)
+    except TypeError as error:
+        raise TypeError(f"attach_logra: invalid LoGRAOptimizer options: {error}") from None
     if trainer.optimizer is not None:
         raise RuntimeError(
             "attach_logra: the trainer already has an optimizer (passed through optimizers=(...) or already "
@@ -175,7 +182,7 @@ def _add_stats_to_logs(trainer: Trainer, callback: LoGRACallback) -> None:
     log = trainer.log
 
     def log_with_logra_stats(logs: dict[str, float], *args, **kwargs):
-        if callback.pending and "train_runtime" not in logs:
+        if callback.pending and "loss" in logs:  # training logs only, not evaluation or the summary
             logs = {**logs, **callback.pop_logs()}
         return log(logs, *args, **kwargs)
 

@@ -391,17 +391,19 @@ def test_attach_after_the_optimizer_was_built(tmp_path):
         attach_logra(trainer, **setup.LOGRA_KWARGS)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: attach_logra accepts a second call on the same trainer: it adds a second LoGRACallback and "
-    "wraps compute_loss and log twice, so each update feeds the mismatch κ twice (with vLLM, κ after one update "
-    "is 0.0051 instead of 0.003 for a constant 0.01 gap and mismatch_ema=0.3)",
-)
 def test_attach_twice_is_rejected(tmp_path):
     trainer = setup.build_trainer("grpo", setup.build_policy(), tmp_path)
     quiet_attach(trainer)
     with pytest.raises(RuntimeError, match="already"):
         quiet_attach(trainer)
+
+
+def test_misspelt_option_fails_at_attach_time(tmp_path):
+    trainer = setup.build_trainer("grpo", setup.build_policy(), tmp_path)
+    with pytest.raises(TypeError, match="kl_budgt"):
+        attach_logra(trainer, rank=4, kl_budgt=1e-3)
+    # Nothing was changed on the way to the error.
+    assert not patched_modules(trainer.model)
 
 
 @pytest.mark.parametrize("thing", ["module", "loop", "none"])
