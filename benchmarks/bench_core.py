@@ -61,7 +61,7 @@ BASELINES = ("adamw-targets", "adamw-full")
 METHODS = (*BASELINES, "logra-sgd", "logra-rowadam")
 # The worker's shape and timing options, forwarded verbatim from the parent.
 FORWARDED = ("hidden", "layers", "intermediate", "heads", "kv_heads", "vocab", "seq", "batch",
-             "warmup", "runs", "threads", "device", "seed")  # fmt: skip
+             "warmup", "runs", "threads", "device", "seed", "checkpointing")  # fmt: skip
 GIB = 2**30
 
 
@@ -93,6 +93,9 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     torch.manual_seed(args.seed)
     with torch.device(args.device):
         model = Qwen2ForCausalLM(config)
+    if args.checkpointing:
+        # As TRL's trainers do by default; recomputes each decoder layer's activations in backward.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.to(torch.float32).train()
 
 
@@ -257,6 +260,7 @@ def describe(meta: dict) -> str:
         f"{shape['layers']} layers, intermediate {shape['intermediate']}, {shape['heads']} heads / "
         f"{shape['kv_heads']} KV heads (head_dim {shape['hidden'] // shape['heads']}), vocab {shape['vocab']}; "
         f"batch {shape['batch']} × seq {shape['seq']} = {shape['batch'] * shape['seq']} tokens/step; fp32, SDPA; "
+        f"gradient checkpointing {'on' if shape['checkpointing'] else 'off'}; "
         f"{meta['device']}, {shape['threads']} threads; medians of {shape['rounds'] * shape['runs']} steps "
         f"({shape['rounds']} fresh processes × {shape['runs']} steps after {shape['warmup']} warm-up)"
     )
@@ -369,6 +373,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in each worker")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpointing", type=int, choices=(0, 1), default=0,
+                   help="1: non-reentrant gradient checkpointing in every method (TRL trainers default to it)")
     p.add_argument("--json", metavar="PATH", help="write the results and the environment as JSON")
     p.add_argument("--markdown", metavar="PATH", help="write a markdown table for the README")
     p.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)

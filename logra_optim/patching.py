@@ -157,11 +157,25 @@ def find_target_modules(
     return found
 
 
-def _require_grad_on_output(module, args, output):
-    # Reentrant gradient checkpointing only builds a graph for a block whose *inputs* require grad;
-    # with frozen embeddings nothing would. Same remedy as HF's enable_input_require_grads.
-    if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and not output.requires_grad:
-        output.requires_grad_(True)
+def _inputs_require_grad_under_checkpointing(model: nn.Module):
+    """Reentrant gradient checkpointing only builds a graph for a block whose *inputs* require grad;
+    with frozen embeddings nothing would (HF's ``enable_input_require_grads`` remedy). Without
+    checkpointing the sketched layers keep the graph alive themselves, and making the embedding
+    output require grad would only add a backward through layer 0's inputs that nobody uses."""
+    model_ref = weakref.ref(model)
+
+    def hook(module, args, output):
+        model = model_ref()
+        if (
+            model is not None
+            and getattr(model, "is_gradient_checkpointing", False)
+            and torch.is_grad_enabled()
+            and isinstance(output, torch.Tensor)
+            and not output.requires_grad
+        ):
+            output.requires_grad_(True)
+
+    return hook
 
 
 def patch_model(
@@ -192,7 +206,7 @@ def patch_model(
         embeddings = getattr(model, "get_input_embeddings", None)
         embedding = embeddings() if callable(embeddings) else None
         if isinstance(embedding, nn.Module):
-            record.hooks.append(embedding.register_forward_hook(_require_grad_on_output))
+            record.hooks.append(embedding.register_forward_hook(_inputs_require_grad_under_checkpointing(model)))
         model._logra_patch = record
     for name, module in targets:
         if hasattr(module, "_logra"):

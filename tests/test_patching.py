@@ -344,8 +344,9 @@ def test_no_sketch_work_without_grad(tiny, batch, mode):
 
 
 def test_no_sketch_work_in_eval_mode(tiny, batch):
-    """Eval forwards with grad enabled (e.g. a reference-model pass) may even be backpropagated;
-    they must not compute projected inputs nor contribute to the sketch."""
+    """Eval forwards with grad enabled (e.g. a reference-model pass) must not compute projected
+    inputs nor contribute to the sketch; with every weight frozen they build no graph at all, so an
+    accidental backward fails loudly instead of silently training nothing."""
     plain = copy.deepcopy(tiny)
     patch_model(tiny)
     LoGRAOptimizer(tiny, rank=3, lr=1.0)
@@ -353,8 +354,10 @@ def test_no_sketch_work_in_eval_mode(tiny, batch):
     plain.eval()
     with OutputShapes() as ops:
         loss = tiny(**batch).loss
-        loss.backward()
     assert ops.shapes and not ops.projected_inputs(3)
+    assert not loss.requires_grad
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        loss.backward()
     assert torch.equal(loss.detach(), plain(**batch).loss.detach())
     assert all(not s.any() for s in sketches(tiny).values())
     # The same recorder does see the projection in a training forward.
