@@ -63,7 +63,7 @@ def main() -> None:
 
         model.train()
         labels = sequences.clone()
-        labels[:, :prompt_length] = -100  # probe and train on generated tokens only
+        labels[:, :prompt_length] = -100  # tells the KL probe which positions predict generated tokens
         logits = model(input_ids=sequences, labels=labels).logits[:, prompt_length - 1 : -1]
         logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, response.unsqueeze(-1)).squeeze(-1)
         loss = -(advantage.unsqueeze(1) * logprobs).sum() / response.numel()
@@ -72,10 +72,10 @@ def main() -> None:
         optimizer.zero_grad()
 
         if step == 1 or step % 10 == 0:
-            stats = optimizer.stats
+            stats = optimizer.stats  # q: predicted KL of the nominal step; α scales it to the budget
             print(
                 f"step {step:4d}  reward {mean_reward:.3f}  baseline {baseline:.3f}  "
-                f"alpha {stats.get('alpha', float('nan')):.3g}  predicted KL {stats.get('predicted_step_kl', float('nan')):.2e}"
+                f"q {stats.get('predicted_kl', float('nan')):.2e}  alpha {stats.get('alpha', float('nan')):.3g}"
             )
 
 

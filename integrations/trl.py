@@ -170,10 +170,25 @@ def _feed_mismatch_from_batches(trainer: Trainer, callback: LoGRACallback) -> No
             rollout, current = inputs.get("sampling_per_token_logps"), inputs.get("old_per_token_logps")
             mask = inputs.get("completion_mask")
             if rollout is not None and current is not None and mask is not None:
-                callback.mismatch_samples.append((rollout.detach(), current.detach(), mask.detach()))
+                callback.mismatch_samples.append((rollout.detach(), current.detach(), _mismatch_mask(trainer, inputs)))
         return compute_loss(model, inputs, *args, **kwargs)
 
     trainer.compute_loss = compute_loss_recording_mismatch
+
+
+def _mismatch_mask(trainer: Trainer, inputs: dict) -> torch.Tensor:
+    """Generated tokens of completed responses (METHOD.md §3): the completion mask, without tool
+    output tokens, restricted to completions that ended with an EOS token (truncated ones are
+    not samples of the full policy's stopping behaviour)."""
+    mask = inputs["completion_mask"].detach().bool()
+    if inputs.get("tool_mask") is not None:
+        mask = mask & inputs["tool_mask"].detach().bool()
+    eos_ids = getattr(trainer, "eos_token_ids", None)
+    completion_ids = inputs.get("completion_ids")
+    if eos_ids and completion_ids is not None:
+        completed = torch.isin(completion_ids, torch.as_tensor(eos_ids, device=completion_ids.device)).any(dim=1)
+        mask = mask & completed.unsqueeze(1)
+    return mask
 
 
 def _add_stats_to_logs(trainer: Trainer, callback: LoGRACallback) -> None:

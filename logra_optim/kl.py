@@ -105,25 +105,26 @@ def budget_at(kl_budget: float | Callable[[int], float], update: int) -> float:
     return float(value)
 
 
-def mismatch_sample(rollout_logps: torch.Tensor, trainer_logps: torch.Tensor, mask: torch.Tensor | None = None) -> float:
+def mismatch_sample(
+    rollout_logps: torch.Tensor, trainer_logps: torch.Tensor, mask: torch.Tensor | None = None
+) -> float | None:
     """``max(0, mean[log π_rollout(a) − log π_trainer(a)])`` over masked tokens: a Monte-Carlo
-    estimate of KL(rollout ‖ trainer) from tokens the rollout engine sampled."""
+    estimate of KL(rollout ‖ trainer) from tokens the rollout engine sampled.
+
+    Tokens whose log-probabilities are not finite are left out (vLLM reports NaN where it returned
+    no log-prob). Returns ``None`` when no token is left, so the estimate is not dragged to zero.
+    """
     if rollout_logps.shape != trainer_logps.shape:
         raise ValueError(f"rollout_logps {tuple(rollout_logps.shape)} and trainer_logps {tuple(trainer_logps.shape)} differ in shape")
     difference = rollout_logps.double() - trainer_logps.double()
+    valid = torch.isfinite(difference)
     if mask is not None:
         if mask.shape != difference.shape:
             raise ValueError(f"mask {tuple(mask.shape)} does not match the log-probs {tuple(difference.shape)}")
-        weights = mask.double()
-        total = weights.sum()
-        if total == 0:
-            return 0.0
-        mean = (difference * weights).sum() / total
-    else:
-        mean = difference.mean()
-    if not torch.isfinite(mean):
-        raise ValueError("mismatch: non-finite log-probabilities")
-    return max(0.0, float(mean))
+        valid &= mask.bool()
+    if not valid.any():
+        return None
+    return max(0.0, float(difference[valid].mean()))
 
 
 def effective_budget(budget: float, mismatch: float) -> float:

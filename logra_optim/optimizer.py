@@ -143,6 +143,18 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             raise ValueError(f"realised_kl_retries must be a non-negative integer, got {realised_kl_retries!r}")
         if not 0.0 < mismatch_ema <= 1.0:
             raise ValueError(f"mismatch_ema must be in (0, 1], got {mismatch_ema!r}")
+        if realised_kl_check and kl_budget is None:
+            raise ValueError("realised_kl_check needs a kl_budget to check against")
+        if realised_kl_check and non_target_optimizer is not None:
+            raise ValueError(
+                "realised_kl_check cannot be combined with non_target_optimizer: the measured KL would include "
+                "the non-target update, which the retry can neither undo nor rescale"
+            )
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            raise RuntimeError(
+                "LoGRAOptimizer does not reduce sketches across processes yet: with several ranks each would "
+                "apply its own update. Run it in a single process until distributed support lands."
+            )
         alpha_max = _positive("alpha_max", alpha_max)
         if not 0.0 <= beta2 < 1.0:
             raise ValueError(f"beta2 must be in [0, 1), got {beta2!r}")
@@ -155,6 +167,14 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             raise ValueError("LoGRAOptimizer: the model has no LoGRA targets; call patch_model(model) first")
         for name, module in targets:
             _check_target(name, module, rank)
+        low_precision = any(m.weight.dtype in (torch.bfloat16, torch.float16) for _, m in targets)
+        if kl_budget is not None and low_precision and (probe == "finite_difference" or realised_kl_check):
+            warnings.warn(
+                "16-bit target weights: the finite-difference probe and the realised-KL check compare logits "
+                "whose rounding error is of the size of a small step's change; prefer probe='jvp' and fp32 "
+                "master weights",
+                stacklevel=2,
+            )
 
         self._model = model
         self._targets: list[TargetState] = [m._logra for _, m in targets]
@@ -195,6 +215,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self.stats: dict[str, Any] = {}
         self._explicit_contexts: ProbeContexts | None = None
         self._recorder = ContextRecorder(model, probe_samples, temperature) if kl_budget is not None else None
+        self._warned_eval_mode = False
 
         self._bank = SketchBank(
             [(m.weight.shape[0], rank) for m in self._modules], [m.weight.device for m in self._modules]
@@ -203,6 +224,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             target.sketch = sketch
             target.owner = weakref.ref(self)
         self._regenerate_projections()
+        # When the optimizer goes away the patched layers return to plain forwards (no sketch work,
+        # no A or S kept alive) and the context recorder leaves the model.
+        weakref.finalize(self, _release, self._targets, self._recorder)
 
     # ----------------------------------------------------------------------------------------------
     # Projections, sketches, probe inputs
@@ -245,13 +269,19 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         if temperature is None:
             temperature = self._recorder.temperature if self._recorder else 1.0
         _positive("temperature", temperature)
+        for name, mask in (("attention_mask", attention_mask), ("probe_mask", probe_mask), ("completion_mask", completion_mask)):
+            if mask is not None and mask.shape != input_ids.shape:
+                raise ValueError(
+                    f"set_probe_contexts: {name} {tuple(mask.shape)} must have the shape of input_ids "
+                    f"{tuple(input_ids.shape)} (aligned with the full prompt + completion sequence)"
+                )
+        input_ids = input_ids.detach().clone()
+        attention_mask = None if attention_mask is None else attention_mask.detach().clone()
         if probe_mask is None:
             contexts = contexts_from_batch(input_ids, attention_mask, completion_mask=completion_mask,
                                            temperature=temperature)  # fmt: skip
         else:
-            if probe_mask.shape != input_ids.shape:
-                raise ValueError(f"probe_mask {tuple(probe_mask.shape)} must match input_ids {tuple(input_ids.shape)}")
-            contexts = ProbeContexts(input_ids, attention_mask, probe_mask.bool(), float(temperature))
+            contexts = ProbeContexts(input_ids, attention_mask, probe_mask.detach().bool().clone(), float(temperature))
         if contexts.tokens == 0:
             raise ValueError("set_probe_contexts: no probe positions (the masks select no generated token)")
         self._explicit_contexts = contexts
@@ -264,7 +294,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         ``κ ← (1−w) κ + w · max(0, mean(log π_rollout − log π_trainer))`` (w = ``mismatch_ema``);
         the next update's budget becomes ``max(δ − κ, δ/2)``."""
         sample = mismatch_sample(rollout_logps, trainer_logps, mask)
-        self.mismatch = (1.0 - self.mismatch_ema) * self.mismatch + self.mismatch_ema * sample
+        if sample is not None:  # no finite, selected token: nothing learned about κ
+            self.mismatch = (1.0 - self.mismatch_ema) * self.mismatch + self.mismatch_ema * sample
         return self.mismatch
 
     def _probe_contexts(self) -> ProbeContexts:
@@ -307,6 +338,15 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             self._skip(why, "nonfinite_sketch")
             return loss
 
+        if not self._warned_eval_mode and not any(m.training for m in self._modules) and self._bank.all_zero():
+            self._warned_eval_mode = True
+            warnings.warn(
+                "LoGRA: step() with empty sketches while the model is in eval mode: patched layers accumulate "
+                "sketches only in train mode with grad enabled; call model.train() before the training forward",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
         plans = [self._plan(group) for group in self.param_groups]
         alpha, kl_stats, probe_result = 1.0, {}, None
         if self.kl_budget is not None:
@@ -323,7 +363,11 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             backup = [module.weight.detach().to("cpu", copy=True) for module in self._modules]
         self._merge(plans, alpha)
         if backup is not None:
-            alpha = self._check_realised_kl(plans, alpha, backup, probe_result, kl_stats)
+            try:
+                alpha = self._check_realised_kl(plans, alpha, backup, probe_result, kl_stats)
+            except BaseException:
+                self._restore(backup)  # leave no half-applied update behind
+                raise
 
         for _, entries, _ in plans:
             for module, _, _, new_state in entries:
@@ -357,7 +401,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 update_sq.append(low_rank_sq_norm(direction, target.projection))
         if group["lr_mode"] == "lr":
             return group, entries, group["lr"]
-        eta = relative_step_size(group["lr"], float(torch.stack(weight_sq).sum()), float(torch.stack(update_sq).sum()))
+        # Python sums: targets may sit on different devices.
+        eta = relative_step_size(group["lr"], sum(map(float, weight_sq)), sum(map(float, update_sq)))
         return group, entries, eta
 
     def _direction(self, group: dict, weight: torch.Tensor, sketch: torch.Tensor):
@@ -426,8 +471,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             kl_stats.update(realised_kl=realised, realised_kl_retries=retry)
             if realised <= budget_eff * (1.0 + self.realised_kl_tolerance) or retry == self.realised_kl_retries:
                 break
-            for module, saved in zip(self._modules, backup):
-                module.weight.data.copy_(saved)
+            self._restore(backup)
             # KL grows as α²: rescale to land on the budget.
             alpha *= math.sqrt(budget_eff / realised)
             self._merge(plans, alpha)
@@ -435,7 +479,12 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             warnings.warn(f"LoGRA: realised KL {realised:.3g} exceeds the budget {budget_eff:.3g} after "
                           f"{self.realised_kl_retries} retries", RuntimeWarning, stacklevel=3)  # fmt: skip
         kl_stats["alpha_after_check"] = alpha
+        kl_stats["predicted_step_kl"] = alpha**2 * kl_stats["predicted_kl"]
         return alpha
+
+    def _restore(self, backup) -> None:
+        for module, saved in zip(self._modules, backup):
+            module.weight.data.copy_(saved)
 
     def _skip(self, why: str, reason: str) -> None:
         warnings.warn(f"LoGRA: {why}; update skipped, weights and optimizer state unchanged",
@@ -526,3 +575,12 @@ def _check_target(name: str, module: nn.Linear, rank: int) -> None:
             "Keep fp32 master weights (or bf16, which is stochastically rounded).",
             stacklevel=3,
         )
+
+
+def _release(targets: list[TargetState], recorder: ContextRecorder | None) -> None:
+    for target in targets:
+        target.set_projection(None)
+        target.sketch = None
+        target.owner = None
+    if recorder is not None:
+        recorder.remove()

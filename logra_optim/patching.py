@@ -58,6 +58,10 @@ class TargetState:
         self.projection = projection
         self._projection_casts = {}
 
+    def __deepcopy__(self, memo) -> TargetState:
+        # A copied model is a new, unbound model: it must not sketch into this optimizer's buffers.
+        return TargetState(self.name, self.canonical_name, self.weight_requires_grad)
+
     def projection_as(self, dtype: torch.dtype) -> torch.Tensor:
         if dtype == self.projection.dtype:
             return self.projection
@@ -200,6 +204,19 @@ def patch_model(
             "Pass the base model (e.g. model.get_base_model() or merge_and_unload())."
         )
     targets = find_target_modules(model, target_modules)
+    for name, module in targets:  # validate everything before changing anything
+        if hasattr(module, "_logra"):
+            continue
+        if not module.weight.is_floating_point():
+            raise ValueError(
+                f"target module {name!r} ({type(module).__name__}) stores a {module.weight.dtype} weight: quantized "
+                "linears cannot be patched; load the model in fp32/bf16 or choose other targets"
+            )
+        if "forward" in module.__dict__:
+            raise ValueError(
+                f"target module {name!r} already has an instance-level forward (e.g. accelerate's device_map/offload "
+                "hooks); LoGRA would replace it. Load the model without device_map/offloading or choose other targets"
+            )
     record: PatchRecord | None = getattr(model, "_logra_patch", None)
     if record is None:
         record = PatchRecord()

@@ -117,8 +117,10 @@ def default_logits_fn(model: nn.Module, contexts: ProbeContexts) -> torch.Tensor
 
 
 def low_rank_delta(x: torch.Tensor, projection: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-    """``−(x Aᵀ) Fᵀ`` in fp32: the output change of ``W → W − F A`` for input ``x``."""
-    return -F.linear(F.linear(x.float(), projection.float()), factor.float())
+    """``−(x Aᵀ) Fᵀ`` in fp32 (also inside an autocast region): the output change of
+    ``W → W − F A`` for input ``x``."""
+    with torch.autocast(x.device.type, enabled=False):
+        return -F.linear(F.linear(x.float(), projection.float()), factor.float())
 
 
 def perturbed_linear(module: nn.Linear, x: torch.Tensor, target) -> torch.Tensor:
@@ -175,16 +177,18 @@ def _inference_environment(model: nn.Module) -> Iterator[None]:
     training = {module: module.training for module in model.modules()}
     config = getattr(model, "config", None)
     attention = getattr(config, "_attn_implementation", None)
+    # Only a kernel without forward-AD support is switched (flash, flex, …), and only then restored.
+    switch_attention = attention not in (None, "eager", "sdpa")
     try:
         model.eval()
-        if attention not in (None, "eager", "sdpa"):
+        if switch_attention:
             config._attn_implementation = "sdpa"
         with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
             yield
     finally:
         for module, flag in training.items():
             module.training = flag
-        if attention is not None:
+        if switch_attention:
             config._attn_implementation = attention
 
 

@@ -44,7 +44,8 @@ class SketchedLinear(torch.autograd.Function):
         if g.dtype == ctx.sketch.dtype:
             ctx.sketch.addmm_(g.t(), xp)
         else:
-            # bf16/fp16 GEMMs accumulate in fp32 internally; the d×r result is summed in fp32.
+            # A bf16/fp16 GEMM accumulates in fp32 internally but returns its d×r product rounded to
+            # 16 bits; products of microbatches are then summed in fp32.
             ctx.sketch.add_(g.t() @ xp)
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
@@ -85,6 +86,9 @@ class SketchBank:
     def zero_(self) -> None:
         for buffer in self.flat.values():
             buffer.zero_()
+
+    def all_zero(self) -> bool:
+        return not any(bool(buffer.any()) for buffer in self.flat.values())
 
     def all_finite(self) -> bool:
         return all(bool(torch.isfinite(buffer).all()) for buffer in self.flat.values())

@@ -39,7 +39,10 @@ def rowadam_direction(
     """
     if step < 1:
         raise ValueError(f"step must be >= 1, got {step}")
-    v_new = row_second_moment * beta2 + sketch.square().mean(dim=1) * (1.0 - beta2)
+    # Row mean of squares in float64: an fp32 square overflows for |S| ≳ 1e19 and underflows for
+    # |S| ≲ 1e-22, which would silently zero or un-normalise rows.
+    row_mean_square = sketch.double().square().mean(dim=1).to(row_second_moment.dtype)
+    v_new = row_second_moment * beta2 + row_mean_square * (1.0 - beta2)
     rms = (v_new / (1.0 - beta2**step)).sqrt()
     denominator = rms + eps * rms.mean()
     # A row whose moment is still zero has had a zero sketch at every step: keep its direction 0.

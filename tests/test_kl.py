@@ -140,7 +140,7 @@ def test_mismatch_sample_and_effective_budget():
     assert mismatch_sample(rollout, trainer, mask) == pytest.approx(0.5)
     # The estimate is clipped at zero: a trainer more confident than the rollout is no mismatch.
     assert mismatch_sample(trainer[:, :2], rollout[:, :2]) == 0.0
-    assert mismatch_sample(rollout, trainer, torch.zeros_like(mask)) == 0.0
+    assert mismatch_sample(rollout, trainer, torch.zeros_like(mask)) is None
     assert effective_budget(1e-4, 2e-5) == pytest.approx(8e-5)
     assert effective_budget(1e-4, 9e-5) == pytest.approx(5e-5)
     with pytest.raises(ValueError, match="shape"):

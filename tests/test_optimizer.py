@@ -211,8 +211,8 @@ def test_projection_seed_ignores_wrapper_prefixes(batch):
 
     bare = patch_model(tiny_qwen2())
     wrapped = patch_model(Compiled(tiny_qwen2()))
-    LoGRAOptimizer(bare, rank=4, lr=1e-3)
-    LoGRAOptimizer(wrapped, rank=4, lr=1e-3)
+    _bare_optimizer = LoGRAOptimizer(bare, rank=4, lr=1e-3)
+    _wrapped_optimizer = LoGRAOptimizer(wrapped, rank=4, lr=1e-3)
     bare_names = [n for n, _ in targets(bare)]
     wrapped_targets = targets(wrapped)
     assert [n for n, _ in wrapped_targets] == ["_orig_mod." + n for n in bare_names]

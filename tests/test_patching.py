@@ -26,7 +26,7 @@ def expected_names(layers=2, kinds=PROJ):
 
 def train_sketches(model, batch, rank=4, **kwargs):
     """Bind an optimizer, run one training forward/backward, return the sketches."""
-    LoGRAOptimizer(model, rank=rank, lr=1.0, **kwargs)
+    _optimizer = LoGRAOptimizer(model, rank=rank, lr=1.0, **kwargs)
     model.train()
     model(**batch).loss.backward()
     return sketches(model)
@@ -154,7 +154,7 @@ def test_patch_model_rejects_non_modules():
 def test_state_dict_is_that_of_the_unpatched_model(tiny):
     plain = copy.deepcopy(tiny)
     patch_model(tiny)
-    LoGRAOptimizer(tiny, rank=4, lr=1.0)  # binding adds projections and sketches: still invisible
+    _optimizer = LoGRAOptimizer(tiny, rank=4, lr=1.0)  # binding adds projections and sketches: still invisible
     patched_state, plain_state = tiny.state_dict(), plain.state_dict()
     assert list(patched_state) == list(plain_state)
     assert all(torch.equal(patched_state[k], plain_state[k]) for k in plain_state)
@@ -276,7 +276,7 @@ def test_gradient_checkpointing_gives_the_same_sketches(batch, use_reentrant):
 def test_autocast_bf16(batch):
     reference = train_sketches(patch_model(tiny_qwen2()), batch)
     model = patch_model(tiny_qwen2())
-    LoGRAOptimizer(model, rank=4, lr=1.0)
+    _optimizer = LoGRAOptimizer(model, rank=4, lr=1.0)
     model.train()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(**batch).loss
@@ -330,7 +330,7 @@ class OutputShapes(TorchDispatchMode):
 def test_no_sketch_work_without_grad(tiny, batch, mode):
     plain = copy.deepcopy(tiny)
     patch_model(tiny)
-    LoGRAOptimizer(tiny, rank=3, lr=1.0)
+    _optimizer = LoGRAOptimizer(tiny, rank=3, lr=1.0)
     context = torch.no_grad if mode == "no_grad" else torch.inference_mode
     for model in (tiny, plain):
         model.train()  # train mode alone must not trigger sketch work
@@ -349,7 +349,7 @@ def test_no_sketch_work_in_eval_mode(tiny, batch):
     accidental backward fails loudly instead of silently training nothing."""
     plain = copy.deepcopy(tiny)
     patch_model(tiny)
-    LoGRAOptimizer(tiny, rank=3, lr=1.0)
+    _optimizer = LoGRAOptimizer(tiny, rank=3, lr=1.0)
     tiny.eval()
     plain.eval()
     with OutputShapes() as ops:
@@ -371,7 +371,7 @@ def test_no_sketch_work_in_eval_mode(tiny, batch):
 def test_generate(tiny, batch, train_mode):
     plain = copy.deepcopy(tiny)
     patch_model(tiny)
-    LoGRAOptimizer(tiny, rank=4, lr=1.0)
+    _optimizer = LoGRAOptimizer(tiny, rank=4, lr=1.0)
     prompt = batch["input_ids"][:2, :5]
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt))
     plain.eval()

@@ -129,7 +129,7 @@ def test_patched_linear_with_optimizer_accumulates_dense_reference(d, k, r_fract
     r = 1 + int(r_fraction * (min(d, k) - 1))
     model = OneLinear(k, d, seed=seed % 1000).to(dtype)
     patch_model(model, target_modules=["proj"])
-    LoGRAOptimizer(model, rank=r, projection=kind, lr=1.0, seed=seed)
+    _optimizer = LoGRAOptimizer(model, rank=r, projection=kind, lr=1.0, seed=seed)
     target = model.proj._logra
     assert torch.equal(target.projection, make_projection(projection_seed(seed, 0, "proj"), r, k, kind))
 
@@ -213,7 +213,7 @@ def test_a_patched_linear_saves_only_the_projected_input_and_its_weight(dtype):
     assert any(t.shape[-1] == k and t.numel() == n_tokens * k for t in unpatched.saved)
 
     patch_model(model, target_modules=["proj"])
-    LoGRAOptimizer(model, rank=r, lr=1.0)
+    _optimizer = LoGRAOptimizer(model, rank=r, lr=1.0)
     with SavedTensors() as patched:
         y = model(x)
     shapes = sorted(tuple(t.shape) for t in patched.saved)
@@ -255,7 +255,7 @@ def test_no_target_input_is_saved_in_a_training_forward_of_qwen2():
     assert len(found) == 14 and all(found)  # an ordinary model saves every target's input
 
     patched = patch_model(tiny_qwen2())
-    LoGRAOptimizer(patched, rank=4, lr=1.0)
+    _optimizer = LoGRAOptimizer(patched, rank=4, lr=1.0)
     patched.train()
     found = target_inputs_and_saved(patched)
     assert len(found) == 14 and not any(found)
@@ -269,7 +269,7 @@ def test_no_target_input_is_saved_in_a_training_forward_of_qwen2():
 def test_input_gradients_match_an_unpatched_model():
     batch = fixed_batch()
     patched = patch_model(tiny_qwen2())
-    LoGRAOptimizer(patched, rank=4, lr=1.0)
+    _optimizer = LoGRAOptimizer(patched, rank=4, lr=1.0)
     plain = tiny_qwen2()
     grads = []
     for model in (patched, plain):
@@ -284,7 +284,7 @@ def test_input_gradients_match_an_unpatched_model():
 def test_graph_exists_with_everything_below_the_first_target_frozen():
     # The input does not require grad and no parameter does either.
     model = patch_model(OneLinear(6, 5), target_modules=["proj"])
-    LoGRAOptimizer(model, rank=2, lr=1.0)
+    _optimizer = LoGRAOptimizer(model, rank=2, lr=1.0)
     x = torch.randn(3, 6)
     y = model(x)
     assert y.requires_grad
@@ -295,7 +295,7 @@ def test_graph_exists_with_everything_below_the_first_target_frozen():
 
 def test_frozen_embeddings_still_sketch_the_first_layer():
     model = patch_model(tiny_qwen2())
-    LoGRAOptimizer(model, rank=4, lr=1.0)
+    _optimizer = LoGRAOptimizer(model, rank=4, lr=1.0)
     assert not model.get_input_embeddings().weight.requires_grad
     model.train()
     model(**fixed_batch()).loss.backward()
