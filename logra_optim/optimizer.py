@@ -78,9 +78,10 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         probe_logits_fn: ``f(model, contexts) -> logits`` for models whose forward does not
             return logits directly (default: ``model(input_ids, attention_mask).logits``).
         fd_epsilon: step ``ε`` of the finite-difference probe, as a multiple of ``D``.
-        realised_kl_check: after merging, measure the true KL on the probe contexts; if it exceeds
-            the budget by more than ``realised_kl_tolerance``, undo the merge exactly (from a host
-            copy of the targets) and retry with a smaller α, at most ``realised_kl_retries`` times.
+        realised_kl_check: after merging, measure the true KL on the probe contexts; if it misses
+            the budget by more than ``realised_kl_tolerance`` (relative, either way), undo the merge
+            exactly (from a host copy of the targets) and retry with α rescaled by
+            ``sqrt(δ/realised)``, at most ``realised_kl_retries`` times.
         mismatch_ema: EMA weight of the rollout/trainer mismatch ``κ`` (see :meth:`observe_mismatch`).
     """
 
@@ -462,20 +463,24 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                                 stochastic_rounding=self.stochastic_rounding, generator=generator)  # fmt: skip
 
     def _check_realised_kl(self, plans, alpha: float, backup, probe_result, kl_stats: dict) -> float:
-        """Measure the true KL after the merge; undo and retry with a smaller α while it exceeds
-        the budget by more than the tolerance. Returns the α finally applied."""
+        """Measure the true KL after the merge; while it misses the budget by more than the
+        tolerance (above it, or below it with room under ``alpha_max``), undo exactly and retry
+        with α rescaled by ``sqrt(δ_eff / realised)``. Returns the α finally applied."""
         contexts, base, budget_eff = probe_result
+        tolerance = self.realised_kl_tolerance
         for retry in range(self.realised_kl_retries + 1):
             total, tokens = realised_kl(self._model, contexts, base, self.probe_logits_fn)
             realised = float(total) / max(tokens, 1)
             kl_stats.update(realised_kl=realised, realised_kl_retries=retry)
-            if realised <= budget_eff * (1.0 + self.realised_kl_tolerance) or retry == self.realised_kl_retries:
+            # KL grows as α²: this rescale would land on the budget if the curvature held.
+            rescaled = min(self.alpha_max, alpha * math.sqrt(budget_eff / realised)) if realised > 0 else alpha
+            on_budget = abs(realised / budget_eff - 1.0) <= tolerance
+            if on_budget or rescaled == alpha or retry == self.realised_kl_retries:
                 break
             self._restore(backup)
-            # KL grows as α²: rescale to land on the budget.
-            alpha *= math.sqrt(budget_eff / realised)
+            alpha = rescaled
             self._merge(plans, alpha)
-        if realised > budget_eff * (1.0 + self.realised_kl_tolerance):
+        if realised > budget_eff * (1.0 + tolerance):
             warnings.warn(f"LoGRA: realised KL {realised:.3g} exceeds the budget {budget_eff:.3g} after "
                           f"{self.realised_kl_retries} retries", RuntimeWarning, stacklevel=3)  # fmt: skip
         kl_stats["alpha_after_check"] = alpha
