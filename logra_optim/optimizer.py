@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 import time
 import warnings
 import weakref
@@ -42,7 +43,7 @@ DEFAULT_UPDATE_RATIO = 6e-5
 
 
 def _positive(name: str, value: float) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
     return float(value)
 
@@ -411,6 +412,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         state = self.state.get(weight, {})
         step = state.get("step", torch.tensor(0.0)) + 1
         if group["optimizer"] == "sgd":
+            # U aliases the sketch: safe because every use (η, probe, merge) precedes zeroing it.
             return sketch, {"step": step}
         moment = state.get("row_second_moment")
         if moment is None:

@@ -156,7 +156,7 @@ def find_target_modules(
         hint = " The model uses GPT-2 Conv1D layers, which are not supported." if conv1d else ""
         raise ValueError(
             f"no LoGRA target modules found for target_modules={target_modules!r}. "
-            f"Linear modules in the model: {seen}.{hint}"
+            f"Linear modules in the model: {seen} (the output embedding is never a target).{hint}"
         )
     return found
 
@@ -218,7 +218,8 @@ def patch_model(
                 "hooks); LoGRA would replace it. Load the model without device_map/offloading or choose other targets"
             )
     record: PatchRecord | None = getattr(model, "_logra_patch", None)
-    if record is None:
+    first_patch = record is None
+    if first_patch:
         record = PatchRecord()
         embeddings = getattr(model, "get_input_embeddings", None)
         embedding = embeddings() if callable(embeddings) else None
@@ -235,7 +236,7 @@ def patch_model(
         )
         module.weight.requires_grad_(False)
         module.forward = types.MethodType(_patched_forward, module)
-    if freeze_non_targets:
+    if freeze_non_targets and first_patch:  # a second call leaves flags the user changed since alone
         target_weights = {id(m.weight) for _, m in patched_modules(model)}
         for name, param in model.named_parameters():
             if id(param) not in target_weights and param.requires_grad:
