@@ -88,7 +88,9 @@ class CosineBudget:
 
     def __post_init__(self):
         if not (self.delta_max > 0 and self.delta_min > 0):
-            raise ValueError(f"CosineBudget: delta_max and delta_min must be > 0, got {self.delta_max}, {self.delta_min}")
+            raise ValueError(
+                f"CosineBudget: delta_max and delta_min must be > 0, got {self.delta_max}, {self.delta_min}"
+            )
         if self.horizon < 1:
             raise ValueError(f"CosineBudget: horizon must be ≥ 1, got {self.horizon}")
 
@@ -101,7 +103,9 @@ def budget_at(kl_budget: float | Callable[[int], float], update: int) -> float:
     """``δ_u`` for update ``u`` (1-based) from a constant or a schedule; validated."""
     value = kl_budget(update) if callable(kl_budget) else kl_budget
     if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"kl_budget must be a positive number (or a schedule returning one); got {value!r} at update {update}")
+        raise ValueError(
+            f"kl_budget must be a positive number (or a schedule returning one); got {value!r} at update {update}"
+        )
     return float(value)
 
 
@@ -115,7 +119,9 @@ def mismatch_sample(
     no log-prob). Returns ``None`` when no token is left, so the estimate is not dragged to zero.
     """
     if rollout_logps.shape != trainer_logps.shape:
-        raise ValueError(f"rollout_logps {tuple(rollout_logps.shape)} and trainer_logps {tuple(trainer_logps.shape)} differ in shape")
+        raise ValueError(
+            f"rollout_logps {tuple(rollout_logps.shape)} and trainer_logps {tuple(trainer_logps.shape)} differ in shape"
+        )
     difference = rollout_logps.double() - trainer_logps.double()
     valid = torch.isfinite(difference)
     if mask is not None:

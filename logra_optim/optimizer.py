@@ -152,7 +152,11 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 "realised_kl_check cannot be combined with non_target_optimizer: the measured KL would include "
                 "the non-target update, which the retry can neither undo nor rescale"
             )
-        if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        if (
+            torch.distributed.is_available()
+            and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1
+        ):
             raise RuntimeError(
                 "LoGRAOptimizer does not reduce sketches across processes yet: with several ranks each would "
                 "apply its own update. Run it in a single process until distributed support lands."
@@ -271,7 +275,11 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         if temperature is None:
             temperature = self._recorder.temperature if self._recorder else 1.0
         _positive("temperature", temperature)
-        for name, mask in (("attention_mask", attention_mask), ("probe_mask", probe_mask), ("completion_mask", completion_mask)):
+        for name, mask in (
+            ("attention_mask", attention_mask),
+            ("probe_mask", probe_mask),
+            ("completion_mask", completion_mask),
+        ):
             if mask is not None and mask.shape != input_ids.shape:
                 raise ValueError(
                     f"set_probe_contexts: {name} {tuple(mask.shape)} must have the shape of input_ids "
@@ -441,15 +449,19 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             self._skip(f"predicted KL q={q} at update {self.update_index + 1}", "probe")
             return None
         alpha = step_scale(q, budget_eff, self.alpha_max)
-        return alpha, {
-            "predicted_kl": q,
-            "predicted_step_kl": alpha**2 * q,
-            "kl_budget": budget,
-            "kl_budget_effective": budget_eff,
-            "mismatch": self.mismatch,
-            "probe_tokens": tokens,
-            "probe_seconds": time.perf_counter() - started,
-        }, (contexts, base, budget_eff)
+        return (
+            alpha,
+            {
+                "predicted_kl": q,
+                "predicted_step_kl": alpha**2 * q,
+                "kl_budget": budget,
+                "kl_budget_effective": budget_eff,
+                "mismatch": self.mismatch,
+                "probe_tokens": tokens,
+                "probe_seconds": time.perf_counter() - started,
+            },
+            (contexts, base, budget_eff),
+        )
 
     def _merge(self, plans, alpha: float) -> None:
         for _, entries, eta in plans:
@@ -460,7 +472,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 generator = None
                 if module.weight.dtype == torch.bfloat16 and self.stochastic_rounding:
                     generator = torch.Generator(device=module.weight.device)
-                    generator.manual_seed(projection_seed(self.seed, self.update_index, "rounding/" + target.canonical_name))
+                    generator.manual_seed(
+                        projection_seed(self.seed, self.update_index, "rounding/" + target.canonical_name)
+                    )
                 merge_low_rank_(module.weight.data, factor, target.projection,
                                 stochastic_rounding=self.stochastic_rounding, generator=generator)  # fmt: skip
 
@@ -500,7 +514,11 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self.stats = {"skipped": reason, **self._counters()}
 
     def _counters(self) -> dict[str, Any]:
-        return {"update_index": self.update_index, "nonfinite_skips": self.nonfinite_skips, "probe_skips": self.probe_skips}
+        return {
+            "update_index": self.update_index,
+            "nonfinite_skips": self.nonfinite_skips,
+            "probe_skips": self.probe_skips,
+        }
 
     # ----------------------------------------------------------------------------------------------
     # Checkpointing

@@ -91,9 +91,7 @@ def _patched_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
             f"projection is on {target.projection.device}. Move the model before creating "
             "LoGRAOptimizer, as with any torch optimizer."
         )
-    return sketched_linear(
-        input, self.weight, self.bias, target.projection_as(input.dtype), target.sketch
-    )
+    return sketched_linear(input, self.weight, self.bias, target.projection_as(input.dtype), target.sketch)
 
 
 def _is_gpt2_conv1d(module: nn.Module) -> bool:
@@ -145,7 +143,9 @@ def find_target_modules(
                 continue
             if all_linear or _matches(name, target_modules):
                 found.append((name, module))
-        elif _is_gpt2_conv1d(module) and not all_linear and target_modules is not None and _matches(name, target_modules):
+        elif (
+            _is_gpt2_conv1d(module) and not all_linear and target_modules is not None and _matches(name, target_modules)
+        ):
             raise ValueError(
                 f"target module {name!r} is a GPT-2 Conv1D (weight stored in×out); LoGRA patches "
                 "torch.nn.Linear only. Convert the model to nn.Linear layers or choose other targets."

@@ -73,8 +73,8 @@ def contexts_from_batch(
     probe_mask[:, :-1] = predicted_is_valid[:, 1:]
     if attention_mask is not None:
         probe_mask &= attention_mask.bool()
-    return ProbeContexts(input_ids.detach().clone(), None if attention_mask is None else attention_mask.detach().clone(),
-                         probe_mask, float(temperature))  # fmt: skip
+    attention_mask = None if attention_mask is None else attention_mask.detach().clone()
+    return ProbeContexts(input_ids.detach().clone(), attention_mask, probe_mask, float(temperature))
 
 
 class ContextRecorder:

@@ -101,7 +101,11 @@ def merge_low_rank_(
     weights in row chunks through an fp32 temporary of at most ``chunk_bytes``, rounded back
     stochastically (bf16, default) or to nearest.
     """
-    if weight.dim() != 2 or factor.shape != (weight.shape[0], projection.shape[0]) or projection.shape[1] != weight.shape[1]:
+    if (
+        weight.dim() != 2
+        or factor.shape != (weight.shape[0], projection.shape[0])
+        or projection.shape[1] != weight.shape[1]
+    ):
         raise ValueError(
             f"merge shapes do not line up: weight {tuple(weight.shape)}, factor {tuple(factor.shape)}, "
             f"projection {tuple(projection.shape)} (expected d×k, d×r, r×k)"
