@@ -3,15 +3,17 @@
 Two lines turn a PyTorch training script into a LoGRA one::
 
     from logra_optim import LoGRAOptimizer, patch_model
-    opt = LoGRAOptimizer(patch_model(model), rank=256)
+    opt = LoGRAOptimizer(patch_model(model), rank=256, kl_budget=2e-4)
 """
 
+from .kl import CosineBudget
 from .optimizer import LoGRAOptimizer
 from .patching import DEFAULT_TARGET_NAMES, find_target_modules, patch_model, patched_modules, unpatch_model
 from .projection import canonical_name, make_projection, projection_seed
 
 __all__ = [
     "DEFAULT_TARGET_NAMES",
+    "CosineBudget",
     "LoGRAOptimizer",
     "canonical_name",
     "find_target_modules",

@@ -364,3 +364,19 @@ def test_bad_schedule_value_is_rejected_at_step(trained_model):
     model(**batch).loss.backward()
     with pytest.raises(ValueError, match="kl_budget"):
         opt.step()
+
+
+def test_a_budget_schedule_drives_successive_updates(trained_model):
+    from logra_optim import CosineBudget
+
+    base, batch = trained_model
+    model = patch_model(copy.deepcopy(base))
+    opt = LoGRAOptimizer(model, rank=16, kl_budget=CosineBudget(2e-4, 2e-5, 3), update_ratio=5e-3, alpha_max=100.0)
+    budgets = []
+    for _ in range(4):
+        model(**batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        budgets.append(opt.stats["kl_budget"])
+        assert opt.stats["predicted_step_kl"] == pytest.approx(budgets[-1])
+    assert budgets == pytest.approx([2e-4, 1.1e-4, 2e-5, 2e-5])
