@@ -186,7 +186,10 @@ def _mismatch_mask(trainer: Trainer, inputs: dict) -> torch.Tensor:
     eos_ids = getattr(trainer, "eos_token_ids", None)
     completion_ids = inputs.get("completion_ids")
     if eos_ids and completion_ids is not None:
-        completed = torch.isin(completion_ids, torch.as_tensor(eos_ids, device=completion_ids.device)).any(dim=1)
+        # Completed = its last real token is an EOS (an earlier EOS may end a tool-call turn).
+        last = inputs["completion_mask"].long().cumsum(dim=1).argmax(dim=1, keepdim=True)
+        last_token = completion_ids.gather(1, last).squeeze(1)
+        completed = torch.isin(last_token, torch.as_tensor(eos_ids, device=completion_ids.device))
         mask = mask & completed.unsqueeze(1)
     return mask
 

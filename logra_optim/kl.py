@@ -13,6 +13,7 @@ budget ``δ``. Everything here is pure math on tensors; running the model lives 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -102,7 +103,9 @@ class CosineBudget:
 def budget_at(kl_budget: float | Callable[[int], float], update: int) -> float:
     """``δ_u`` for update ``u`` (1-based) from a constant or a schedule; validated."""
     value = kl_budget(update) if callable(kl_budget) else kl_budget
-    if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
         raise ValueError(
             f"kl_budget must be a positive number (or a schedule returning one); got {value!r} at update {update}"
         )

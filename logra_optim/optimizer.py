@@ -133,7 +133,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             lr = _positive("update_ratio", DEFAULT_UPDATE_RATIO if update_ratio is None else update_ratio)
             lr_mode = "update_ratio"
         if kl_budget is not None and not callable(kl_budget):
-            _positive("kl_budget", kl_budget)
+            kl_budget = _positive("kl_budget", kl_budget)
         if probe not in PROBES:
             raise ValueError(f"probe must be one of {PROBES}, got {probe!r}")
         if not isinstance(probe_samples, int) or probe_samples < 1:
@@ -378,6 +378,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             except BaseException:
                 self._restore(backup)  # leave no half-applied update behind
                 raise
+            if alpha is None:
+                return loss
 
         for _, entries, _ in plans:
             for module, _, _, new_state in entries:
@@ -478,25 +480,43 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 merge_low_rank_(module.weight.data, factor, target.projection,
                                 stochastic_rounding=self.stochastic_rounding, generator=generator)  # fmt: skip
 
-    def _check_realised_kl(self, plans, alpha: float, backup, probe_result, kl_stats: dict) -> float:
+    def _check_realised_kl(self, plans, alpha: float, backup, probe_result, kl_stats: dict) -> float | None:
         """Measure the true KL after the merge; while it misses the budget by more than the
         tolerance (above it, or below it with room under ``alpha_max``), undo exactly and retry
-        with α rescaled by ``sqrt(δ_eff / realised)``. Returns the α finally applied."""
+        with α rescaled by ``sqrt(δ_eff / realised)``. Returns the α finally applied, or ``None``
+        (weights restored) when the measured KL is not finite.
+
+        If the last attempt overshoots, the largest α measured within the budget (if any) is
+        merged again: a retry never trades a safe step for an unsafe one.
+        """
         contexts, base, budget_eff = probe_result
-        tolerance = self.realised_kl_tolerance
+        ceiling = budget_eff * (1.0 + self.realised_kl_tolerance)
+        best_safe = None  # (α, realised KL) of the largest α measured within the budget
         for retry in range(self.realised_kl_retries + 1):
             total, tokens = realised_kl(self._model, contexts, base, self.probe_logits_fn)
             realised = float(total) / max(tokens, 1)
+            if not math.isfinite(realised):
+                self._restore(backup)
+                self.probe_skips += 1
+                self._skip(f"realised KL {realised} at update {self.update_index + 1}", "realised_kl")
+                return None
             kl_stats.update(realised_kl=realised, realised_kl_retries=retry)
+            if realised <= ceiling and (best_safe is None or alpha > best_safe[0]):
+                best_safe = (alpha, realised)
             # KL grows as α²: this rescale would land on the budget if the curvature held.
             rescaled = min(self.alpha_max, alpha * math.sqrt(budget_eff / realised)) if realised > 0 else alpha
-            on_budget = abs(realised / budget_eff - 1.0) <= tolerance
+            on_budget = abs(realised / budget_eff - 1.0) <= self.realised_kl_tolerance
             if on_budget or rescaled == alpha or retry == self.realised_kl_retries:
                 break
             self._restore(backup)
             alpha = rescaled
             self._merge(plans, alpha)
-        if realised > budget_eff * (1.0 + tolerance):
+        if realised > ceiling and best_safe is not None:
+            self._restore(backup)
+            alpha, realised = best_safe
+            self._merge(plans, alpha)
+            kl_stats["realised_kl"] = realised
+        elif realised > ceiling:
             warnings.warn(f"LoGRA: realised KL {realised:.3g} exceeds the budget {budget_eff:.3g} after "
                           f"{self.realised_kl_retries} retries", RuntimeWarning, stacklevel=3)  # fmt: skip
         kl_stats["alpha_after_check"] = alpha

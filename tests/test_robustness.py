@@ -278,3 +278,35 @@ def test_realised_kl_check_also_corrects_an_undershoot(fitted):
     assert opt.stats["realised_kl_retries"] >= 1
     assert opt.stats["alpha"] > (budget / opt.stats["predicted_kl"]) ** 0.5  # raised above the prediction's α
     assert 0.97 <= float(exact_kl_terms(old, new, temperature).mean()) / budget <= 1.03
+
+
+def test_non_finite_realised_kl_restores_the_weights_and_skips(fitted):
+    base, batch = fitted
+    model = patch_model(copy.deepcopy(base))
+    calls = []
+
+    def logits_turning_nan(model, contexts):
+        # The probe (first call) sees real logits; the realised-KL measurement after the merge does not.
+        calls.append(1)
+        logits = model(input_ids=contexts.input_ids).logits
+        return logits if len(calls) == 1 else logits * float("nan")
+
+    opt = LoGRAOptimizer(model, rank=16, kl_budget=1e-4, update_ratio=5e-3, alpha_max=100.0,
+                         realised_kl_check=True, probe_logits_fn=logits_turning_nan)  # fmt: skip
+    model(**batch).loss.backward()
+    weights = [p.clone() for p in model.parameters()]
+    with pytest.warns(RuntimeWarning, match="realised KL nan"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+    assert opt.update_index == 0 and opt.stats["probe_skips"] == 1 and len(opt.state) == 0
+
+
+def test_numpy_and_tensor_budgets_are_accepted(fitted):
+    np = pytest.importorskip("numpy")
+    base, batch = fitted
+    for budget in (np.float32(1e-4), lambda update: torch.tensor(1e-4)):
+        model = patch_model(copy.deepcopy(base))
+        opt = LoGRAOptimizer(model, rank=16, kl_budget=budget, update_ratio=5e-3, alpha_max=100.0)
+        model(**batch).loss.backward()
+        opt.step()
+        assert opt.stats["kl_budget"] == pytest.approx(1e-4)

@@ -470,3 +470,22 @@ def test_example_trl_grpo_marks_the_two_logra_lines():
 def test_example_reinforce_tiny_runs():
     out = run_example("reinforce_tiny.py", "--steps", "3")
     assert "step    1" in out
+
+
+def test_mismatch_mask_keeps_generated_tokens_of_completed_responses(tmp_path):
+    from logra_optim.integrations.trl import _mismatch_mask
+
+    trainer = setup.build_trainer("grpo", setup.build_policy(), tmp_path)
+    eos, pad = setup.SPECIAL["<eos>"], setup.SPECIAL["<pad>"]
+    completion_ids = torch.tensor(
+        [
+            [5, eos, 7, 8],  # an EOS ends a tool-call turn, then the response was cut off: not completed
+            [5, 6, eos, pad],  # ended with EOS, then padding: completed
+            [5, 6, 7, 8],  # truncated: not completed
+        ]
+    )
+    completion_mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1]])
+    tool_mask = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 1], [1, 1, 1, 1]])
+    inputs = {"completion_ids": completion_ids, "completion_mask": completion_mask, "tool_mask": tool_mask}
+    expected = torch.tensor([[0, 0, 0, 0], [1, 0, 1, 0], [0, 0, 0, 0]], dtype=torch.bool)
+    assert torch.equal(_mismatch_mask(trainer, inputs), expected)
