@@ -50,3 +50,19 @@ def batch():
     from tiny import fixed_batch
 
     return fixed_batch()
+
+
+@pytest.fixture(scope="session")
+def fitted_model():
+    """A tiny Qwen2 fitted to a fixed batch, so its next-token distributions are far from uniform
+    (a KL budget is only meaningful for a policy with confident predictions). Tests deep-copy it."""
+    from tiny import fixed_batch, tiny_qwen2
+
+    model = tiny_qwen2(attn_implementation="sdpa")
+    batch = fixed_batch(batch=4, seq=16)
+    adam = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(40):
+        model(**batch).loss.backward()
+        adam.step()
+        adam.zero_grad()
+    return model, batch

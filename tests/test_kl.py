@@ -23,7 +23,7 @@ from logra_optim.kl import (
     step_scale,
 )
 from logra_optim.probe import contexts_from_batch, finite_difference_predicted_kl, jvp_predicted_kl
-from tiny import fixed_batch, tiny_qwen2
+from tiny import tiny_qwen2
 
 # ------------------------------------------------------------------------------------------------
 # The estimator
@@ -62,10 +62,10 @@ def test_estimator_matches_second_derivative_of_exact_kl(seed, positions, vocab,
     # f(h) = KL(p(z) ‖ p(z + h ż)) has f(0) = f'(0) = 0 and f''(0) = 2q: central difference in float64.
     logits, tangent = _random_logits(seed, positions, vocab, spread)
     h = 1e-3
-    second_difference = (
-        exact_kl_terms(logits, logits + h * tangent, temperature) + exact_kl_terms(logits, logits - h * tangent, temperature)
-    ) / h**2
-    torch.testing.assert_close(second_difference, 2 * fisher_kl_terms(logits, tangent, temperature), rtol=1e-4, atol=1e-9)
+    forward = exact_kl_terms(logits, logits + h * tangent, temperature)
+    backward = exact_kl_terms(logits, logits - h * tangent, temperature)
+    expected = 2 * fisher_kl_terms(logits, tangent, temperature)
+    torch.testing.assert_close((forward + backward) / h**2, expected, rtol=1e-4, atol=1e-9)
 
 
 @settings(max_examples=30, deadline=None)
@@ -165,20 +165,6 @@ def test_contexts_from_batch_selects_positions_predicting_trained_tokens():
 # End to end on a tiny Qwen2
 
 
-@pytest.fixture(scope="module")
-def trained_model():
-    """A tiny Qwen2 fitted to a fixed batch, so its next-token distributions are far from uniform
-    (a KL budget is only meaningful for a policy with confident predictions)."""
-    model = tiny_qwen2(attn_implementation="sdpa")
-    batch = fixed_batch(batch=4, seq=16)
-    adam = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for _ in range(40):
-        model(**batch).loss.backward()
-        adam.step()
-        adam.zero_grad()
-    return model, batch
-
-
 def _exact_kl_on(model_before, model_after, contexts):
     with torch.no_grad():
         before = model_before(input_ids=contexts.input_ids).logits[contexts.probe_mask]
@@ -188,8 +174,8 @@ def _exact_kl_on(model_before, model_after, contexts):
 
 @pytest.mark.parametrize("probe", ["jvp", "finite_difference"])
 @pytest.mark.parametrize("budget", [1e-5, 5e-5, 1e-4, 2e-4])
-def test_realised_kl_matches_the_budget(trained_model, probe, budget):
-    base, batch = trained_model
+def test_realised_kl_matches_the_budget(fitted_model, probe, budget):
+    base, batch = fitted_model
     model = patch_model(copy.deepcopy(base))
     opt = LoGRAOptimizer(model, rank=16, kl_budget=budget, probe=probe, update_ratio=5e-3, alpha_max=100.0)
     contexts = contexts_from_batch(batch["input_ids"], labels=batch["labels"], samples=2)
@@ -205,8 +191,8 @@ def test_realised_kl_matches_the_budget(trained_model, probe, budget):
         assert opt.stats["predicted_step_kl"] == pytest.approx(budget)
 
 
-def test_jvp_and_finite_difference_probes_agree(trained_model):
-    base, batch = trained_model
+def test_jvp_and_finite_difference_probes_agree(fitted_model):
+    base, batch = fitted_model
     model = patch_model(copy.deepcopy(base))
     opt = LoGRAOptimizer(model, rank=16, kl_budget=1e-4, optimizer="sgd", wire_dtype=None)
     model(**batch).loss.backward()
@@ -225,8 +211,8 @@ def test_jvp_and_finite_difference_probes_agree(trained_model):
 
 
 @pytest.mark.parametrize("setting", ["sdpa", "checkpointing", "autocast", "bf16"])
-def test_probe_works_in_common_training_setups(trained_model, setting):
-    base, batch = trained_model
+def test_probe_works_in_common_training_setups(fitted_model, setting):
+    base, batch = fitted_model
     model = copy.deepcopy(base)
     if setting == "checkpointing":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -244,8 +230,8 @@ def test_probe_works_in_common_training_setups(trained_model, setting):
     assert model.config._attn_implementation == "sdpa" and model.training
 
 
-def test_realised_kl_check_retries_and_undoes_exactly(trained_model):
-    base, batch = trained_model
+def test_realised_kl_check_retries_and_undoes_exactly(fitted_model):
+    base, batch = fitted_model
     # A budget so large that the quadratic prediction is poor: the check must step in.
     config = dict(rank=16, kl_budget=0.5, update_ratio=5e-2, alpha_max=1e4, wire_dtype=None)
     model = patch_model(copy.deepcopy(base))
@@ -268,8 +254,8 @@ def test_realised_kl_check_retries_and_undoes_exactly(trained_model):
         assert torch.equal(a, b)
 
 
-def test_mismatch_lowers_the_effective_budget_and_is_saved(trained_model):
-    base, batch = trained_model
+def test_mismatch_lowers_the_effective_budget_and_is_saved(fitted_model):
+    base, batch = fitted_model
     model = patch_model(copy.deepcopy(base))
     opt = LoGRAOptimizer(model, rank=16, kl_budget=1e-4, update_ratio=5e-3, alpha_max=100.0)
     rollout = torch.full((2, 5), -1.0, dtype=torch.float64)
@@ -289,8 +275,8 @@ def test_mismatch_lowers_the_effective_budget_and_is_saved(trained_model):
     assert fresh.mismatch == pytest.approx(kappa) and fresh.update_index == 1
 
 
-def test_explicit_contexts_and_temperature(trained_model):
-    base, batch = trained_model
+def test_explicit_contexts_and_temperature(fitted_model):
+    base, batch = fitted_model
     model = patch_model(copy.deepcopy(base))
     opt = LoGRAOptimizer(model, rank=16, kl_budget=1e-4, update_ratio=5e-3, alpha_max=100.0)
     probe_mask = torch.zeros_like(batch["input_ids"], dtype=torch.bool)
@@ -311,8 +297,8 @@ def test_explicit_contexts_and_temperature(trained_model):
 # Failure paths
 
 
-def test_missing_probe_contexts_say_how_to_give_them(trained_model):
-    base, batch = trained_model
+def test_missing_probe_contexts_say_how_to_give_them(fitted_model):
+    base, batch = fitted_model
     model = patch_model(copy.deepcopy(base))
     opt = LoGRAOptimizer(model, rank=16, kl_budget=1e-4)
     # A forward from embeddings carries no token ids to probe with.
@@ -322,8 +308,8 @@ def test_missing_probe_contexts_say_how_to_give_them(trained_model):
         opt.step()
 
 
-def test_non_finite_prediction_skips_the_step(trained_model):
-    base, batch = trained_model
+def test_non_finite_prediction_skips_the_step(fitted_model):
+    base, batch = fitted_model
     model = patch_model(copy.deepcopy(base))
 
     def nan_logits(model, contexts):
@@ -357,8 +343,8 @@ def test_bad_kl_arguments_are_rejected(kwargs, message):
         LoGRAOptimizer(model, rank=8, **kwargs)
 
 
-def test_bad_schedule_value_is_rejected_at_step(trained_model):
-    base, batch = trained_model
+def test_bad_schedule_value_is_rejected_at_step(fitted_model):
+    base, batch = fitted_model
     model = patch_model(copy.deepcopy(base))
     opt = LoGRAOptimizer(model, rank=16, kl_budget=lambda update: 0.0)
     model(**batch).loss.backward()
@@ -366,10 +352,10 @@ def test_bad_schedule_value_is_rejected_at_step(trained_model):
         opt.step()
 
 
-def test_a_budget_schedule_drives_successive_updates(trained_model):
+def test_a_budget_schedule_drives_successive_updates(fitted_model):
     from logra_optim import CosineBudget
 
-    base, batch = trained_model
+    base, batch = fitted_model
     model = patch_model(copy.deepcopy(base))
     opt = LoGRAOptimizer(model, rank=16, kl_budget=CosineBudget(2e-4, 2e-5, 3), update_ratio=5e-3, alpha_max=100.0)
     budgets = []

@@ -171,20 +171,8 @@ def test_backward_forms_no_weight_sized_tensor():
     assert (d, k) in ops.shapes or (k, d) in ops.shapes
 
 
-@pytest.fixture(scope="module")
-def fitted():
-    model = tiny_qwen2(attn_implementation="sdpa")
-    batch = fixed_batch(batch=4, seq=16)
-    adam = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for _ in range(40):
-        model(**batch).loss.backward()
-        adam.step()
-        adam.zero_grad()
-    return model, batch
-
-
-def test_probe_inside_autocast_matches_fp32(fitted):
-    base, batch = fitted
+def test_probe_inside_autocast_matches_fp32(fitted_model):
+    base, batch = fitted_model
     predicted = []
     for autocast in (False, True):
         model = patch_model(copy.deepcopy(base))
@@ -198,13 +186,11 @@ def test_probe_inside_autocast_matches_fp32(fitted):
     assert predicted[1] == pytest.approx(predicted[0], rel=0.1)
 
 
-def test_realised_kl_matches_the_budget_at_a_sampling_temperature(fitted):
-    base, batch = fitted
+def _one_step_at_temperature(base, batch, budget, temperature, **options):
+    """One LoGRA step probed at ``temperature``; returns the optimizer and the logits at the probe
+    positions before and after it, measured independently of the optimizer."""
     model = patch_model(copy.deepcopy(base))
-    # Sharper at T = 0.7, this over-fitted toy policy leaves the quadratic regime sooner (realised /
-    # predicted 0.98 at 1e-6, 0.94 at 1e-5, 0.88 at 1e-4): test inside it.
-    budget, temperature = 1e-5, 0.7
-    opt = LoGRAOptimizer(model, rank=16, kl_budget=budget, update_ratio=5e-3, alpha_max=100.0)
+    opt = LoGRAOptimizer(model, rank=16, kl_budget=budget, update_ratio=5e-3, alpha_max=100.0, **options)
     contexts = contexts_from_batch(batch["input_ids"], labels=batch["labels"], samples=2, temperature=temperature)
     opt.set_probe_contexts(contexts.input_ids, probe_mask=contexts.probe_mask, temperature=temperature)
     before = copy.deepcopy(model)
@@ -213,6 +199,14 @@ def test_realised_kl_matches_the_budget_at_a_sampling_temperature(fitted):
     with torch.no_grad():
         old = before(input_ids=contexts.input_ids).logits[contexts.probe_mask]
         new = model(input_ids=contexts.input_ids).logits[contexts.probe_mask]
+    return opt, old, new
+
+
+def test_realised_kl_matches_the_budget_at_a_sampling_temperature(fitted_model):
+    # Sharper at T = 0.7, this over-fitted toy policy leaves the quadratic regime sooner (realised /
+    # predicted 0.98 at 1e-6, 0.94 at 1e-5, 0.88 at 1e-4): test inside it.
+    budget, temperature = 1e-5, 0.7
+    _, old, new = _one_step_at_temperature(*fitted_model, budget, temperature)
     ratio = float(exact_kl_terms(old, new, temperature).mean()) / budget
     assert 0.9 <= ratio <= 1.1
     # Measured at T = 1 the same step is far off the budget: the temperature really is used.
@@ -259,29 +253,19 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_realised_kl_check_also_corrects_an_undershoot(fitted):
+def test_realised_kl_check_also_corrects_an_undershoot(fitted_model):
     """Outside the quadratic regime the prediction overshoots the true KL (here by ~12%); the check
     measures it and raises α until the step lands within the tolerance."""
-    base, batch = fitted
-    model = patch_model(copy.deepcopy(base))
     budget, temperature = 1e-4, 0.7
-    opt = LoGRAOptimizer(model, rank=16, kl_budget=budget, update_ratio=5e-3, alpha_max=100.0,
-                         realised_kl_check=True, realised_kl_tolerance=0.03)  # fmt: skip
-    contexts = contexts_from_batch(batch["input_ids"], labels=batch["labels"], samples=2, temperature=temperature)
-    opt.set_probe_contexts(contexts.input_ids, probe_mask=contexts.probe_mask, temperature=temperature)
-    before = copy.deepcopy(model)
-    model(**batch).loss.backward()
-    opt.step()
-    with torch.no_grad():
-        old = before(input_ids=contexts.input_ids).logits[contexts.probe_mask]
-        new = model(input_ids=contexts.input_ids).logits[contexts.probe_mask]
+    opt, old, new = _one_step_at_temperature(*fitted_model, budget, temperature, realised_kl_check=True,
+                                             realised_kl_tolerance=0.03)  # fmt: skip
     assert opt.stats["realised_kl_retries"] >= 1
     assert opt.stats["alpha"] > (budget / opt.stats["predicted_kl"]) ** 0.5  # raised above the prediction's α
     assert 0.97 <= float(exact_kl_terms(old, new, temperature).mean()) / budget <= 1.03
 
 
-def test_non_finite_realised_kl_restores_the_weights_and_skips(fitted):
-    base, batch = fitted
+def test_non_finite_realised_kl_restores_the_weights_and_skips(fitted_model):
+    base, batch = fitted_model
     model = patch_model(copy.deepcopy(base))
     calls = []
 
@@ -301,9 +285,9 @@ def test_non_finite_realised_kl_restores_the_weights_and_skips(fitted):
     assert opt.update_index == 0 and opt.stats["probe_skips"] == 1 and len(opt.state) == 0
 
 
-def test_numpy_and_tensor_budgets_are_accepted(fitted):
+def test_numpy_and_tensor_budgets_are_accepted(fitted_model):
     np = pytest.importorskip("numpy")
-    base, batch = fitted
+    base, batch = fitted_model
     for budget in (np.float32(1e-4), lambda update: torch.tensor(1e-4)):
         model = patch_model(copy.deepcopy(base))
         opt = LoGRAOptimizer(model, rank=16, kl_budget=budget, update_ratio=5e-3, alpha_max=100.0)
