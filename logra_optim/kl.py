@@ -30,30 +30,38 @@ def fisher_kl_terms(logits: torch.Tensor, tangent: torch.Tensor, temperature: fl
     ``E[ż²] − E[ż]²``) avoids cancellation when ``ż`` has a large common shift, which does not
     change the distribution.
     """
-    _check_temperature(temperature)
-    flat_logits = logits.reshape(-1, logits.shape[-1])
-    flat_tangent = tangent.reshape(-1, tangent.shape[-1])
-    terms = [torch.zeros(0, dtype=torch.float64, device=logits.device)]
-    for start in range(0, flat_logits.shape[0], _POSITIONS_PER_CHUNK):
-        z = _scaled_double(flat_logits[start : start + _POSITIONS_PER_CHUNK], temperature)
-        centred = _scaled_double(flat_tangent[start : start + _POSITIONS_PER_CHUNK], temperature)
+
+    def terms(z: torch.Tensor, centred: torch.Tensor) -> torch.Tensor:
         p = torch.softmax(z, dim=-1)
         centred -= torch.einsum("sv,sv->s", p, centred).unsqueeze(-1)
-        terms.append(0.5 * torch.einsum("sv,sv->s", p, centred.square_()))
-    return torch.cat(terms).reshape(logits.shape[:-1])
+        return 0.5 * torch.einsum("sv,sv->s", p, centred.square_())
+
+    return _per_position(terms, logits, tangent, temperature)
 
 
 def exact_kl_terms(logits: torch.Tensor, perturbed_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Per-position full-vocabulary ``KL(softmax(z/T) ‖ softmax(z'/T))`` in float64."""
+
+    def terms(z: torch.Tensor, z_perturbed: torch.Tensor) -> torch.Tensor:
+        log_p = torch.log_softmax(z, dim=-1)
+        return torch.einsum("sv,sv->s", log_p.exp(), log_p - torch.log_softmax(z_perturbed, dim=-1))
+
+    return _per_position(terms, logits, perturbed_logits, temperature)
+
+
+def _per_position(terms, first: torch.Tensor, second: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``terms(first/T, second/T)`` on fresh float64 copies, a chunk of positions at a time, so the
+    float64 temporaries stay at ``chunk × vocab``."""
     _check_temperature(temperature)
-    flat = logits.reshape(-1, logits.shape[-1])
-    flat_perturbed = perturbed_logits.reshape(-1, perturbed_logits.shape[-1])
-    terms = [torch.zeros(0, dtype=torch.float64, device=logits.device)]
-    for start in range(0, flat.shape[0], _POSITIONS_PER_CHUNK):
-        log_p = torch.log_softmax(_scaled_double(flat[start : start + _POSITIONS_PER_CHUNK], temperature), -1)
-        log_q = torch.log_softmax(_scaled_double(flat_perturbed[start : start + _POSITIONS_PER_CHUNK], temperature), -1)
-        terms.append(torch.einsum("sv,sv->s", log_p.exp(), log_p - log_q))
-    return torch.cat(terms).reshape(logits.shape[:-1])
+    first_rows = first.reshape(-1, first.shape[-1])
+    second_rows = second.reshape(-1, second.shape[-1])
+    chunks = [torch.zeros(0, dtype=torch.float64, device=first.device)]
+    for start in range(0, first_rows.shape[0], _POSITIONS_PER_CHUNK):
+        rows = slice(start, start + _POSITIONS_PER_CHUNK)
+        chunks.append(
+            terms(_scaled_double(first_rows[rows], temperature), _scaled_double(second_rows[rows], temperature))
+        )
+    return torch.cat(chunks).reshape(first.shape[:-1])
 
 
 def _scaled_double(x: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -333,7 +333,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         """Merge ``W ← W − α η U A`` for every target, then refresh ``A`` and clear the sketches.
 
         The sketches are cleared because they are expressed in the basis ``A`` that was just
-        replaced. A non-finite sketch, or a non-finite/negative predicted KL, skips the update:
+        replaced. A non-finite sketch, or a non-finite predicted or realised KL, skips the update:
         weights and optimizer state stay untouched, a warning is issued and a counter in ``stats``
         records it.
         """
@@ -413,8 +413,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 update_sq.append(low_rank_sq_norm(direction, target.projection))
         if group["lr_mode"] == "lr":
             return group, entries, group["lr"]
-        # Python sums: targets may sit on different devices.
-        eta = relative_step_size(group["lr"], sum(map(float, weight_sq)), sum(map(float, update_sq)))
+        eta = relative_step_size(group["lr"], _total(weight_sq), _total(update_sq))
         return group, entries, eta
 
     def _direction(self, group: dict, weight: torch.Tensor, sketch: torch.Tensor):
@@ -620,6 +619,14 @@ def _check_target(name: str, module: nn.Linear, rank: int) -> None:
             "Keep fp32 master weights (or bf16, which is stochastically rounded).",
             stacklevel=3,
         )
+
+
+def _total(values: list[torch.Tensor]) -> float:
+    """Sum of scalar tensors with one host sync per device (targets may sit on several devices)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for value in values:
+        by_device.setdefault(value.device, []).append(value)
+    return sum(float(torch.stack(group).sum()) for group in by_device.values())
 
 
 def _release(targets: list[TargetState], recorder: ContextRecorder | None) -> None:
