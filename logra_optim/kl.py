@@ -129,6 +129,17 @@ def mismatch_sample(
     Tokens whose log-probabilities are not finite are left out (vLLM reports NaN where it returned
     no log-prob). Returns ``None`` when no token is left, so the estimate is not dragged to zero.
     """
+    total, count = mismatch_terms(rollout_logps, trainer_logps, mask)
+    if count == 0:
+        return None
+    return max(0.0, total / count)
+
+
+def mismatch_terms(
+    rollout_logps: torch.Tensor, trainer_logps: torch.Tensor, mask: torch.Tensor | None = None
+) -> tuple[float, int]:
+    """``(Σ[log π_rollout(a) − log π_trainer(a)], count)`` over the masked tokens with finite
+    log-probabilities: the parts of :func:`mismatch_sample`, which data-parallel ranks sum."""
     if rollout_logps.shape != trainer_logps.shape:
         raise ValueError(
             f"rollout_logps {tuple(rollout_logps.shape)} and trainer_logps {tuple(trainer_logps.shape)} differ in shape"
@@ -139,9 +150,8 @@ def mismatch_sample(
         if mask.shape != difference.shape:
             raise ValueError(f"mask {tuple(mask.shape)} does not match the log-probs {tuple(difference.shape)}")
         valid &= mask.bool()
-    if not valid.any():
-        return None
-    return max(0.0, float(difference[valid].mean()))
+    count = int(valid.sum())
+    return (float(difference[valid].sum()) if count else 0.0), count
 
 
 def effective_budget(budget: float, mismatch: float) -> float:

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .kl import budget_at, effective_budget, mismatch_sample, step_scale
+from . import distributed as dp
+from .kl import budget_at, effective_budget, mismatch_sample, mismatch_terms, step_scale
 from .patching import TargetState, patched_modules
 from .probe import (
     ContextRecorder,
@@ -72,6 +73,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             updates survive on average (fp32 master weights are recommended).
         non_target_optimizer: ``callable(params) -> torch.optim.Optimizer`` for non-target
             parameters left trainable (``requires_grad=True``); stepped and zeroed with this one.
+            ``"external"``: another optimizer updates them (e.g. a DeepSpeed engine's own).
         probe: ``"jvp"`` (exact forward-mode AD, one forward) or ``"finite_difference"``
             (``KL(θ ‖ θ+εD)/ε²``, two forwards, exact full-vocabulary KL).
         probe_samples: sequences of the latest training forward used as probe contexts.
@@ -84,6 +86,11 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             exactly (from a host copy of the targets) and retry with α rescaled by
             ``sqrt(δ/realised)``, at most ``realised_kl_retries`` times.
         mismatch_ema: EMA weight of the rollout/trainer mismatch ``κ`` (see :meth:`observe_mismatch`).
+        process_group: the data-parallel group sketches are averaged over (default: the world group
+            when ``torch.distributed`` runs several ranks). Every rank then computes the same update and
+            merges it into the part of each weight it stores (replicated, FSDP2 row shard, ZeRO-3
+            partition); ``step()``, the constructor, ``load_state_dict`` and ``observe_mismatch`` are
+            collective calls.
     """
 
     def __init__(
@@ -113,6 +120,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         realised_kl_tolerance: float = 0.1,
         realised_kl_retries: int = 3,
         mismatch_ema: float = 0.3,
+        process_group: Any = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(
@@ -147,19 +155,14 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             raise ValueError(f"mismatch_ema must be in (0, 1], got {mismatch_ema!r}")
         if realised_kl_check and kl_budget is None:
             raise ValueError("realised_kl_check needs a kl_budget to check against")
-        if realised_kl_check and non_target_optimizer is not None:
+        if isinstance(non_target_optimizer, str) and non_target_optimizer != "external":
+            raise ValueError(
+                f"non_target_optimizer must be a callable, 'external' or None, got {non_target_optimizer!r}"
+            )
+        if realised_kl_check and callable(non_target_optimizer):
             raise ValueError(
                 "realised_kl_check cannot be combined with non_target_optimizer: the measured KL would include "
                 "the non-target update, which the retry can neither undo nor rescale"
-            )
-        if (
-            torch.distributed.is_available()
-            and torch.distributed.is_initialized()
-            and torch.distributed.get_world_size() > 1
-        ):
-            raise RuntimeError(
-                "LoGRAOptimizer does not reduce sketches across processes yet: with several ranks each would "
-                "apply its own update. Run it in a single process until distributed support lands."
             )
         alpha_max = _positive("alpha_max", alpha_max)
         if not 0.0 <= beta2 < 1.0:
@@ -171,8 +174,16 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         targets = patched_modules(model)
         if not targets:
             raise ValueError("LoGRAOptimizer: the model has no LoGRA targets; call patch_model(model) first")
-        for name, module in targets:
-            _check_target(name, module, rank)
+        dp.check_no_fsdp1(model)
+        layouts = [dp.weight_layout(name, module.weight) for name, module in targets]
+        if kl_budget is not None and probe == "jvp" and any(layout.kind == dp.FLAT for layout in layouts):
+            raise ValueError(
+                "the JVP probe cannot run under DeepSpeed ZeRO-3: its module hooks wrap every output in an autograd "
+                "Function without a forward-mode rule. Use probe='finite_difference' (with fd_epsilon large enough "
+                "to be resolved, e.g. 1.0)"
+            )
+        for (name, module), layout in zip(targets, layouts):
+            _check_target(name, module, rank, layout.shape)
         low_precision = any(m.weight.dtype in (torch.bfloat16, torch.float16) for _, m in targets)
         if kl_budget is not None and low_precision and (probe == "finite_difference" or realised_kl_check):
             warnings.warn(
@@ -185,7 +196,11 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self._model = model
         self._targets: list[TargetState] = [m._logra for _, m in targets]
         self._modules: list[nn.Linear] = [m for _, m in targets]
+        self._layouts = layouts
         self._index_of = {id(m.weight): i for i, m in enumerate(self._modules)}
+        self._group = dp.data_parallel_group(process_group)
+        self._fsdp2 = dp.fsdp2_modules(model)
+        self._merged_factors: dict[int, torch.Tensor] = {}  # the latest merge's F per target
         defaults = dict(lr=lr, lr_mode=lr_mode, optimizer=optimizer, beta2=beta2, eps=eps)
         super().__init__([m.weight for m in self._modules], defaults)
 
@@ -197,7 +212,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 f"parameters that are not LoGRA targets require grad ({names}) but nothing would update "
                 "them: freeze them, or pass non_target_optimizer=lambda params: torch.optim.AdamW(params, ...)"
             )
-        self.non_target_optimizer = non_target_optimizer([p for _, p in others]) if others else None
+        external = non_target_optimizer == "external"
+        self.non_target_optimizer = non_target_optimizer([p for _, p in others]) if others and not external else None
 
         self.rank = rank
         self.seed = int(seed)
@@ -224,12 +240,15 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self._warned_eval_mode = False
 
         self._bank = SketchBank(
-            [(m.weight.shape[0], rank) for m in self._modules], [m.weight.device for m in self._modules]
+            [(layout.shape[0], rank) for layout in layouts], [m.weight.device for m in self._modules]
         )
         for target, sketch in zip(self._targets, self._bank.views):
             target.sketch = sketch
             target.owner = weakref.ref(self)
+        self._checksums: list[float] = []
         self._regenerate_projections()
+        if self._group is not None:
+            self._check_consistency()
         # When the optimizer goes away the patched layers return to plain forwards (no sketch work,
         # no A or S kept alive) and the context recorder leaves the model.
         weakref.finalize(self, _release, self._targets, self._recorder)
@@ -247,11 +266,59 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         weight, target = self._modules[index].weight, self._targets[index]
         seed = projection_seed(self.seed, self.projection_index if update_index is None else update_index,
                                target.canonical_name)  # fmt: skip
-        return make_projection(seed, self.rank, weight.shape[1], self.projection, device=weight.device)
+        return make_projection(seed, self.rank, self._layouts[index].shape[1], self.projection, device=weight.device)
 
     def _regenerate_projections(self) -> None:
         for index, target in enumerate(self._targets):
             target.set_projection(self.projection_for(index))
+        if self._group is not None:
+            self._checksums = [dp.projection_checksum(target.projection) for target in self._targets]
+
+    # ----------------------------------------------------------------------------------------------
+    # Data parallelism (see :mod:`.distributed`)
+
+    def _fingerprint_header(self) -> tuple:
+        return (self.seed, self.projection_index, self.rank, self.projection, self.refresh, len(self._targets))
+
+    def _fingerprint(self) -> int:
+        return dp.fingerprint(self._fingerprint_header(), self._checksums)
+
+    def _check_consistency(self, gathered: torch.Tensor | None = None) -> None:
+        """Fail loudly on every rank if the ranks' projections differ (seeds, update index, targets)."""
+        if gathered is None:
+            gathered = dp.gather_([self._fingerprint()], self._group, self._collective_device)[:, 0]
+        names = [target.canonical_name for target in self._targets]
+        dp.check_fingerprints(gathered, self._group, names, self._fingerprint_header(), self._checksums)
+
+    @property
+    def _collective_device(self) -> torch.device:
+        return dp.collective_device(self._group)
+
+    def _synchronise(self) -> tuple[bool, list[float]]:
+        """Average the sketches over the ranks (one all-reduce per flat buffer), then one all-gather of
+        ``[fingerprint, local non-finite flag, Σ‖W‖² of the locally stored part of sharded weights per
+        group]``. Returns (all finite on every rank, per-group sharded ‖W‖² totals)."""
+        dp.average_(self._bank.flat_buffers(), self._group)
+        partials = []
+        for group in self.param_groups:
+            parts = [
+                dp.local_sq_norm(w, self._layouts[self._index_of[id(w)]]) / self._layouts[self._index_of[id(w)]].holders
+                for w in group["params"]
+                if self._layouts[self._index_of[id(w)]].holders > 0
+            ]
+            partials.append(_total(parts) if group["lr_mode"] == "update_ratio" else 0.0)
+        local_finite = self._local_all_finite()
+        gathered = dp.gather_([self._fingerprint(), 0.0 if local_finite else 1.0, *partials], self._group,
+                              self._collective_device)  # fmt: skip
+        self._check_consistency(gathered[:, 0])
+        totals = gathered[:, 2:].sum(dim=0).tolist()
+        return bool(gathered[:, 1].sum() == 0), totals
+
+    def _reduce(self, *values: float) -> list[float]:
+        """Sum scalars over the ranks (identity in a single process)."""
+        if self._group is None:
+            return [float(v) for v in values]
+        return dp.sum_(values, self._group, self._collective_device)
 
     def sketch_buffers(self) -> list[torch.Tensor]:
         """The flat fp32 buffers holding every sketch (one per device), e.g. for an all-reduce."""
@@ -303,7 +370,11 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         ``mask`` selecting generated tokens of completed responses). Updates and returns
         ``κ ← (1−w) κ + w · max(0, mean(log π_rollout − log π_trainer))`` (w = ``mismatch_ema``);
         the next update's budget becomes ``max(δ − κ, δ/2)``."""
-        sample = mismatch_sample(rollout_logps, trainer_logps, mask)
+        if self._group is None:
+            sample = mismatch_sample(rollout_logps, trainer_logps, mask)
+        else:  # the token mean over every rank's tokens: all ranks keep the same κ
+            total, count = self._reduce(*mismatch_terms(rollout_logps, trainer_logps, mask))
+            sample = max(0.0, total / count) if count > 0 else None
         if sample is not None:  # no finite, selected token: nothing learned about κ
             self.mismatch = (1.0 - self.mismatch_ema) * self.mismatch + self.mismatch_ema * sample
         return self.mismatch
@@ -342,7 +413,12 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         started = time.perf_counter()
-        if not self._all_finite():
+        sharded_sq = None
+        if self._group is not None:
+            finite, sharded_sq = self._synchronise()
+        else:
+            finite = self._bank.all_finite() and self._local_all_finite()
+        if not finite:
             self.nonfinite_skips += 1
             why = f"non-finite sketch (or non-target gradient) at update {self.update_index + 1}"
             self._skip(why, "nonfinite_sketch")
@@ -357,7 +433,10 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 stacklevel=2,
             )
 
-        plans = [self._plan(group) for group in self.param_groups]
+        plans = [
+            self._plan(group, None if sharded_sq is None else sharded_sq[i])
+            for i, group in enumerate(self.param_groups)
+        ]
         alpha, kl_stats, probe_result = 1.0, {}, None
         if self.kl_budget is not None:
             chosen = self._choose_alpha(plans)
@@ -370,7 +449,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
 
         backup = None
         if self.kl_budget is not None and self.realised_kl_check:
-            backup = [module.weight.detach().to("cpu", copy=True) for module in self._modules]
+            backup = self._backup()
         self._merge(plans, alpha)
         if backup is not None:
             try:
@@ -392,16 +471,39 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                       "step_seconds": time.perf_counter() - started, **self._counters()}  # fmt: skip
         return loss
 
-    def _all_finite(self) -> bool:
-        if not self._bank.all_finite():
-            return False
+    def _local_all_finite(self) -> bool:
+        """Non-target gradients on this rank (FSDP2 shards: the local part)."""
         if self.non_target_optimizer is None:
             return True
         grads = [p.grad for g in self.non_target_optimizer.param_groups for p in g["params"] if p.grad is not None]
+        grads = [grad.to_local() if dp.is_dtensor(grad) else grad for grad in grads]
         return all(bool(torch.isfinite(grad).all()) for grad in grads)
 
-    def _plan(self, group: dict):
-        """``(group, [(module, target, U, state to commit)], η)``; mutates nothing."""
+    def _local(self, index: int) -> torch.Tensor:
+        """The part of target ``index``'s weight this rank stores (see :func:`.distributed.local_data`)."""
+        return dp.local_data(self._modules[index].weight, self._layouts[index])
+
+    def _gathered_copy(self, index: int) -> torch.Tensor | None:
+        """A ZeRO-3 target's whole matrix while DeepSpeed holds it gathered (persistent small
+        parameters, or ones its prefetcher keeps between forwards), else ``None``. A merge updates
+        it together with the partition: the next forward uses it without gathering again."""
+        weight, layout = self._modules[index].weight, self._layouts[index]
+        if layout.kind == dp.FLAT and weight.data.numel() == layout.shape[0] * layout.shape[1]:
+            return weight.data.view(layout.shape)
+        return None
+
+    def _backup(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Host copies of every target's local part (and of a ZeRO-3 gathered copy)."""
+        backup = []
+        for index in range(len(self._modules)):
+            gathered = self._gathered_copy(index)
+            backup.append((self._local(index).to("cpu", copy=True),
+                           None if gathered is None else gathered.to("cpu", copy=True)))  # fmt: skip
+        return backup
+
+    def _plan(self, group: dict, sharded_sq: float | None = None):
+        """``(group, [(module, target, U, state to commit)], η)``; mutates nothing. ``sharded_sq``:
+        Σ‖W‖² of the group's sharded weights, summed over the ranks (distributed runs only)."""
         entries, weight_sq, update_sq = [], [], []
         for weight in group["params"]:
             index = self._index_of[id(weight)]
@@ -409,11 +511,14 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             direction, new_state = self._direction(group, weight, target.sketch)
             entries.append((module, target, direction, new_state))
             if group["lr_mode"] == "update_ratio":
-                weight_sq.append(torch.linalg.vector_norm(weight, dtype=torch.float32).double().square())
+                if sharded_sq is None or self._layouts[index].holders == 0:  # whole weight on this rank
+                    weight_sq.append(
+                        torch.linalg.vector_norm(self._local(index), dtype=torch.float32).double().square()
+                    )
                 update_sq.append(low_rank_sq_norm(direction, target.projection))
         if group["lr_mode"] == "lr":
             return group, entries, group["lr"]
-        eta = relative_step_size(group["lr"], _total(weight_sq), _total(update_sq))
+        eta = relative_step_size(group["lr"], _total(weight_sq) + (sharded_sq or 0.0), _total(update_sq))
         return group, entries, eta
 
     def _direction(self, group: dict, weight: torch.Tensor, sketch: torch.Tensor):
@@ -425,7 +530,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             return sketch, {"step": step}
         moment = state.get("row_second_moment")
         if moment is None:
-            moment = torch.zeros(weight.shape[0], dtype=torch.float32, device=sketch.device)
+            moment = torch.zeros(sketch.shape[0], dtype=torch.float32, device=sketch.device)
         direction, moment = rowadam_direction(sketch, moment, int(step), group["beta2"], group["eps"])
         return direction, {"step": step, "row_second_moment": moment}
 
@@ -444,7 +549,10 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             total, tokens, base = finite_difference_predicted_kl(
                 self._model, targets, factors, contexts, self.probe_logits_fn, self.fd_epsilon
             )
-        q = float(total) / max(tokens, 1)
+        dp.reshard(self._fsdp2)
+        total, tokens = self._reduce(total, tokens)  # token-weighted mean over every rank's positions
+        tokens = int(tokens)
+        q = total / max(tokens, 1)
         if not math.isfinite(q) or q < 0:
             self.probe_skips += 1
             self._skip(f"predicted KL q={q} at update {self.update_index + 1}", "probe")
@@ -467,17 +575,28 @@ class LoGRAOptimizer(torch.optim.Optimizer):
     def _merge(self, plans, alpha: float) -> None:
         for _, entries, eta in plans:
             for module, target, direction, _ in entries:
+                index = self._index_of[id(module.weight)]
+                layout, local = self._layouts[index], self._local(index)
                 factor = direction * (alpha * eta)
                 if self.wire_dtype is not None:
                     factor = factor.to(self.wire_dtype)
                 generator = None
-                if module.weight.dtype == torch.bfloat16 and self.stochastic_rounding:
-                    generator = torch.Generator(device=module.weight.device)
+                if local.dtype == torch.bfloat16 and self.stochastic_rounding:
+                    generator = torch.Generator(device=local.device)
                     generator.manual_seed(
                         projection_seed(self.seed, self.update_index, "rounding/" + target.canonical_name)
                     )
-                merge_low_rank_(module.weight.data, factor, target.projection,
-                                stochastic_rounding=self.stochastic_rounding, generator=generator)  # fmt: skip
+                options = dict(stochastic_rounding=self.stochastic_rounding, generator=generator)
+                self._merged_factors[index] = factor
+                if layout.kind == dp.FLAT:
+                    dp.merge_flat_partition_(local, layout.start, factor, target.projection, **options)
+                    gathered = self._gathered_copy(index)
+                    if gathered is not None:
+                        merge_low_rank_(gathered, factor, target.projection, **options)
+                elif layout.kind == dp.ROWS:
+                    merge_low_rank_(local, factor[layout.start : layout.stop], target.projection, **options)
+                else:
+                    merge_low_rank_(local, factor, target.projection, **options)
 
     def _check_realised_kl(self, plans, alpha: float, backup, probe_result, kl_stats: dict) -> float | None:
         """Measure the true KL after the merge; while it misses the budget by more than the
@@ -492,8 +611,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         ceiling = budget_eff * (1.0 + self.realised_kl_tolerance)
         best_safe = None  # (α, realised KL) of the largest α measured within the budget
         for retry in range(self.realised_kl_retries + 1):
-            total, tokens = realised_kl(self._model, contexts, base, self.probe_logits_fn)
-            realised = float(total) / max(tokens, 1)
+            total, tokens = self._reduce(*realised_kl(self._model, contexts, base, self.probe_logits_fn))
+            dp.reshard(self._fsdp2)
+            realised = total / max(tokens, 1)
             if not math.isfinite(realised):
                 self._restore(backup)
                 self.probe_skips += 1
@@ -523,8 +643,16 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         return alpha
 
     def _restore(self, backup) -> None:
-        for module, saved in zip(self._modules, backup):
-            module.weight.data.copy_(saved)
+        for index, (local, gathered_backup) in enumerate(backup):
+            self._local(index).copy_(local)
+            gathered = self._gathered_copy(index)
+            if gathered is None:
+                continue
+            if gathered_backup is not None:
+                gathered.copy_(gathered_backup)
+            else:  # gathered by DeepSpeed since the backup, from the merged partitions: undo the merge
+                factor = self._merged_factors[index]
+                merge_low_rank_(gathered, -factor, self._targets[index].projection, stochastic_rounding=False)
 
     def _skip(self, why: str, reason: str) -> None:
         warnings.warn(f"LoGRA: {why}; update skipped, weights and optimizer state unchanged",
@@ -545,9 +673,24 @@ class LoGRAOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state plus ``"logra"`` (update index, seed, projection, κ, counters).
 
-        Only tensors, numbers and strings: loadable with ``torch.load(weights_only=True)``.
+        Only tensors, numbers and strings: loadable with ``torch.load(weights_only=True)``. Every
+        target has an entry, zeros before its first update (equivalent to none), so that formats
+        which load into a template (``torch.distributed.checkpoint``) find all of them.
         """
         state = super().state_dict()
+        weights = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
+        indices = itertools.chain.from_iterable(g["params"] for g in state["param_groups"])
+        rowadam = itertools.chain.from_iterable(
+            [g["optimizer"] == "rowadam"] * len(g["params"]) for g in self.param_groups
+        )
+        for weight, param_index, has_moment in zip(weights, indices, rowadam):
+            if param_index not in state["state"]:
+                state["state"][param_index] = {"step": torch.tensor(0.0)}
+                if has_moment:
+                    sketch = self._targets[self._index_of[id(weight)]].sketch
+                    state["state"][param_index]["row_second_moment"] = torch.zeros(
+                        sketch.shape[0], device=sketch.device
+                    )
         state["logra"] = {
             "update_index": self.update_index,
             "seed": self.seed,
@@ -592,6 +735,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self.probe_skips = int(logra["probe_skips"])
         self._bank.zero_()
         self._regenerate_projections()
+        if self._group is not None:
+            self._check_consistency()
 
     def __repr__(self) -> str:
         group = self.param_groups[0]
@@ -601,8 +746,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         )
 
 
-def _check_target(name: str, module: nn.Linear, rank: int) -> None:
-    d, k = module.weight.shape
+def _check_target(name: str, module: nn.Linear, rank: int, shape: tuple[int, int]) -> None:
+    d, k = shape
     if rank > min(d, k):
         raise ValueError(f"rank={rank} is larger than target {name!r} allows ({d}×{k}: rank must be ≤ {min(d, k)})")
     owner = module._logra.owner() if module._logra.owner is not None else None

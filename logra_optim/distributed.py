@@ -1,0 +1,310 @@
+"""Data parallelism for LoGRA (METHOD.md §5): reductions, sharded weight layouts, consistency guard.
+
+Every data-parallel rank accumulates sketches of its own microbatches. ``step()`` averages them with
+one all-reduce of the flat sketch buffer (per device), so every rank computes the same direction
+``U``, the same ``η`` and the same ``α``; each rank then merges ``W ← W − α η U A`` into the part of
+each weight it stores:
+
+* replicated weights (DDP, DeepSpeed ZeRO-1/2, no wrapper): the whole matrix, on every rank;
+* FSDP2 (``fully_shard``: a ``DTensor`` with ``Shard(0)``, uneven shards included): its local rows;
+* DeepSpeed ZeRO-3: its flat partition ``ds_tensor`` of the row-major weight.
+
+Scalars that need every rank (partial sums of ``‖W‖²`` of sharded weights, a non-finite flag, the
+projection fingerprint; then the probe's KL sums and token counts) travel in small batched
+collectives. Nothing here imports DeepSpeed: ZeRO-3 parameters are recognised by their ``ds_*``
+attributes. torch is the only dependency.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .updates import MERGE_CHUNK_BYTES, stochastic_round_to_bf16
+
+REPLICATED, ROWS, FLAT = "replicated", "rows", "flat"
+
+
+def data_parallel_group(group=None):
+    """The process group sketches are averaged over, or ``None`` for a single process.
+
+    ``group`` defaults to the default (world) group when ``torch.distributed`` is initialised with
+    more than one rank.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise RuntimeError("a process_group was given but torch.distributed is not initialised")
+        return None
+    group = dist.group.WORLD if group is None else group
+    return group if dist.get_world_size(group) > 1 else None
+
+
+# --------------------------------------------------------------------------------------------------
+# Where a rank's part of a weight lives
+
+
+@dataclass(frozen=True)
+class WeightLayout:
+    """The part of a ``d×k`` target weight this rank stores.
+
+    ``kind``: ``"replicated"`` (all of it), ``"rows"`` (rows ``[start, stop)``, FSDP2) or ``"flat"``
+    (elements ``[start, stop)`` of the row-major flattening, DeepSpeed ZeRO-3). ``holders`` is how many
+    data-parallel ranks store the same elements (for a partial sum of squares to add up to ‖W‖²).
+    """
+
+    kind: str
+    shape: tuple[int, int]
+    start: int = 0
+    stop: int = 0
+    holders: int = 1
+
+
+def is_zero3_param(weight: torch.Tensor) -> bool:
+    return hasattr(weight, "ds_tensor") and hasattr(weight, "ds_shape")
+
+
+def is_dtensor(weight: torch.Tensor) -> bool:
+    return hasattr(weight, "placements") and hasattr(weight, "device_mesh") and hasattr(weight, "to_local")
+
+
+def global_shape(weight: torch.Tensor) -> tuple[int, ...]:
+    """The logical shape of a possibly sharded weight (a ZeRO-3 parameter's own ``shape`` is empty)."""
+    if is_zero3_param(weight):
+        return tuple(weight.ds_shape)
+    return tuple(weight.shape)
+
+
+def dtensor_rows(shape: Sequence[int], mesh, placements) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of a ``shape`` tensor that this rank holds under ``placements``
+    (``Shard(0)`` and ``Replicate`` only; uneven splits follow torch's chunking)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local_shape, offset = compute_local_shape_and_global_offset(tuple(shape), mesh, placements)
+    return offset[0], offset[0] + local_shape[0]
+
+
+def weight_layout(name: str, weight: torch.Tensor) -> WeightLayout:
+    """How this rank stores target ``name``; raises for placements LoGRA cannot merge into."""
+    shape = global_shape(weight)
+    if len(shape) != 2:
+        raise ValueError(f"target {name!r}: weight of shape {shape} is not a matrix")
+    if is_zero3_param(weight):
+        partition = weight.ds_tensor.ds_numel
+        group = getattr(weight, "ds_process_group", None)
+        rank = getattr(weight, "ds_zero_partition_rank", None)
+        if rank is None:
+            rank = dist.get_rank(group) if dist.is_initialized() else 0
+        start = min(rank * partition, shape[0] * shape[1])
+        stop = min(start + partition, shape[0] * shape[1])
+        return WeightLayout(FLAT, shape, start, stop, 1)
+    if is_dtensor(weight):
+        placements = tuple(weight.placements)
+        holders = 1
+        for size, placement in zip(weight.device_mesh.shape, placements):
+            if placement.is_replicate():
+                holders *= size
+            elif not placement.is_shard(0):
+                raise ValueError(
+                    f"target {name!r} is a DTensor with placement {placement} (placements {placements}); LoGRA "
+                    "merges only into row shards (Shard(0), as fully_shard makes) or replicated weights. Tensor "
+                    "parallel (Shard(1)) and Partial placements are not supported"
+                )
+        if all(p.is_replicate() for p in placements):
+            return WeightLayout(REPLICATED, shape, 0, shape[0], holders)
+        start, stop = dtensor_rows(shape, weight.device_mesh, placements)
+        return WeightLayout(ROWS, shape, start, stop, holders)
+    return WeightLayout(REPLICATED, shape, 0, shape[0], 0)  # holders 0: not part of any partial sum
+
+
+def local_data(weight: torch.Tensor, layout: WeightLayout) -> torch.Tensor:
+    """The tensor a merge writes into: the whole matrix, the local rows (``d_local×k``) or the valid
+    part of the flat partition (1-D)."""
+    if layout.kind == FLAT:
+        return weight.ds_tensor.data.view(-1)[: layout.stop - layout.start]
+    if is_dtensor(weight):
+        return weight.to_local().data
+    return weight.data
+
+
+def local_sq_norm(weight: torch.Tensor, layout: WeightLayout) -> torch.Tensor:
+    """``Σ w²`` over the elements this rank stores, float64 (a 0-d tensor on the weight's device)."""
+    return torch.linalg.vector_norm(local_data(weight, layout), dtype=torch.float32).double().square()
+
+
+def check_no_fsdp1(model: nn.Module) -> None:
+    """FSDP1 (``FullyShardedDataParallel``) flattens parameters into ``FlatParameter`` shards that no
+    longer line up with a target's rows; LoGRA supports FSDP2 (``fully_shard``) instead."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return
+    for name, module in model.named_modules():
+        if isinstance(module, FullyShardedDataParallel):
+            raise ValueError(
+                f"module {name or '<root>'!r} is wrapped in FSDP1 (FullyShardedDataParallel), whose flattened "
+                "parameter shards LoGRA cannot merge into. Use FSDP2 instead: "
+                "torch.distributed.fsdp.fully_shard(layer) for each decoder layer, then fully_shard(model) "
+                "(accelerate: fsdp_version: 2)"
+            )
+
+
+def fsdp2_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules ``fully_shard`` was applied to (empty without FSDP2)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return []
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+
+def reshard(modules: Sequence[nn.Module]) -> None:
+    """Free the unsharded parameters FSDP2 keeps after a forward outside backward (the root keeps
+    them by default). A merge writes into the shards; a stale unsharded copy would be reused by the
+    next forward."""
+    for module in modules:
+        module.reshard()
+
+
+# --------------------------------------------------------------------------------------------------
+# Merging into a rank's part of a weight
+
+
+def merge_flat_partition_(
+    flat: torch.Tensor,
+    start: int,
+    factor: torch.Tensor,
+    projection: torch.Tensor,
+    *,
+    stochastic_rounding: bool = True,
+    generator: torch.Generator | None = None,
+    chunk_bytes: int = MERGE_CHUNK_BYTES,
+) -> torch.Tensor:
+    """``W ← W − F A`` restricted to elements ``[start, start + len(flat))`` of the row-major ``W``
+    (``d×k`` with ``F`` d×r and ``A`` r×k), in place on ``flat`` (a ZeRO-3 partition).
+
+    Only the rows the partition touches are formed, a chunk of rows at a time through an fp32
+    temporary of at most ``chunk_bytes``.
+    """
+    if flat.dim() != 1 or factor.dim() != 2 or projection.dim() != 2 or factor.shape[1] != projection.shape[0]:
+        raise ValueError(
+            f"merge shapes do not line up: flat {tuple(flat.shape)}, factor {tuple(factor.shape)}, "
+            f"projection {tuple(projection.shape)}"
+        )
+    k = projection.shape[1]
+    stop = start + flat.numel()
+    if start < 0 or stop > factor.shape[0] * k:
+        raise ValueError(f"partition [{start}, {stop}) lies outside the {factor.shape[0]}×{k} weight")
+    if flat.numel() == 0:
+        return flat
+    compute = torch.float64 if flat.dtype == torch.float64 else torch.float32
+    projection = projection.to(compute)
+    rows_per_chunk = max(1, chunk_bytes // (projection.element_size() * k))
+    first_row, end_row = start // k, (stop - 1) // k + 1
+    for row in range(first_row, end_row, rows_per_chunk):
+        rows = slice(row, min(row + rows_per_chunk, end_row))
+        lo, hi = max(start, rows.start * k), min(stop, rows.stop * k)  # elements of W in this chunk
+        delta = (factor[rows].to(compute) @ projection).view(-1)[lo - rows.start * k : hi - rows.start * k]
+        segment = flat[lo - start : hi - start]
+        if flat.dtype == compute:
+            segment.sub_(delta)
+            continue
+        updated = segment.float() - delta
+        if stochastic_rounding and flat.dtype == torch.bfloat16:
+            segment.copy_(stochastic_round_to_bf16(updated, generator))
+        else:
+            segment.copy_(updated.to(flat.dtype))
+    return flat
+
+
+# --------------------------------------------------------------------------------------------------
+# Collectives
+
+
+def average_(buffers: Sequence[torch.Tensor], group) -> None:
+    """Average each buffer over ``group`` in place: one all-reduce per buffer (gloo has no AVG)."""
+    world = dist.get_world_size(group)
+    for buffer in buffers:
+        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
+        buffer.div_(world)
+
+
+def sum_(values: Sequence[float | torch.Tensor], group, device=None) -> list[float]:
+    """Sum a few scalars over ``group`` with one all-reduce (float64)."""
+    tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor.tolist()
+
+
+def gather_(values: Sequence[float], group, device=None) -> torch.Tensor:
+    """All-gather a few float64 scalars from every rank: a ``(world, len(values))`` tensor."""
+    tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, tensor, group=group)
+    return torch.stack(gathered).cpu()
+
+
+def collective_device(group) -> torch.device:
+    """Where this group's collectives take their tensors (NCCL: the current CUDA device)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# --------------------------------------------------------------------------------------------------
+# Consistency guard
+
+
+def projection_checksum(projection: torch.Tensor) -> float:
+    """A cheap checksum of ``A``: its sum and a position-weighted sum, folded into one float."""
+    a = projection.detach().double()
+    weights = torch.arange(1, a.shape[1] + 1, dtype=torch.float64, device=a.device)
+    return float(a.sum()) + 1e-3 * float((a[0] * weights).sum())
+
+
+def fingerprint(header: Sequence, checksums: Sequence[float]) -> int:
+    """A 52-bit hash (exact in float64) of the settings that determine the projections and of
+    every target's projection checksum."""
+    key = repr((tuple(header), tuple(round(c, 9) for c in checksums))).encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 12
+
+
+def check_fingerprints(
+    fingerprints: torch.Tensor, group, names: Sequence[str], header: Sequence, checksums: Sequence[float]
+) -> None:
+    """Raise on every rank if the gathered fingerprints differ, naming the ranks and the first target
+    whose projection differs (one more collective, on the error path only)."""
+    values = [int(v) for v in fingerprints.tolist()]
+    if len(set(values)) == 1:
+        return
+    mine = (tuple(header), list(names), [round(c, 9) for c in checksums])
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    reference = everyone[0]
+    differing = [rank for rank, entry in enumerate(everyone) if entry != reference]
+    detail = ""
+    for rank in differing:
+        other = everyone[rank]
+        if other[0] != reference[0]:
+            detail = (
+                f"settings (seed, projection index, rank, kind, refresh, targets) {reference[0]} on rank 0 vs "
+                f"{other[0]} on rank {rank}"
+            )
+            break
+        if other[1] != reference[1]:
+            detail = f"targets differ: rank 0 has {len(reference[1])}, rank {rank} has {len(other[1])}"
+            break
+        for name, mine_sum, their_sum in zip(reference[1], reference[2], other[2]):
+            if mine_sum != their_sum:
+                detail = f"projection of target {name!r} differs between rank 0 and rank {rank}"
+                break
+        if detail:
+            break
+    raise RuntimeError(
+        f"LoGRA: data-parallel ranks {[0, *differing]} disagree on the projections ({detail}); every rank must use "
+        "the same seed, projection settings, targets and update index (restore the same checkpoint on every rank)"
+    )

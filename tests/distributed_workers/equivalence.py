@@ -1,0 +1,190 @@
+"""Worker for tests/test_distributed.py, run as ``torchrun --nproc_per_node 2 equivalence.py MODE OUT``.
+
+MODE is ``ddp``, ``fsdp2``, ``zero1``, ``zero2`` or ``zero3`` (gloo, CPU). For every configuration of
+``common.CONFIGS`` it trains ``common.STEPS`` LoGRA steps on half batches and writes, from rank 0, the
+full final weights as every rank sees them; then it trains two steps, saves a checkpoint in the
+engine's own format (torch.save for DDP, DCP for FSDP2, DeepSpeed's checkpoints for ZeRO), rebuilds
+everything, resumes and trains the third step. The test compares with one process on the full batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from common import (  # noqa: E402
+    CONFIGS,
+    NON_TARGET_LR,
+    STEPS,
+    build_model,
+    external_non_target,
+    logra_kwargs,
+    rows_of,
+    trained_weights,
+)
+from logra_optim import LoGRAOptimizer  # noqa: E402
+
+warnings.filterwarnings("ignore", category=UserWarning)
+torch.set_num_threads(1)
+
+
+def deepspeed_config(stage: int) -> dict:
+    zero = {"stage": stage}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0  # partition even the tiny model's weights
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+
+
+class Run:
+    """One training setup: ``forward(batch) -> loss``, ``backward``, ``step``, ``weights``, ``save``/``load``."""
+
+    def __init__(self, mode: str, config: str):
+        self.mode, self.config = mode, config
+        self.model = build_model()
+        kwargs = logra_kwargs(config, dist.get_world_size(), mode)
+        sgd = lambda params: torch.optim.SGD(params, lr=NON_TARGET_LR)  # noqa: E731
+        # Non-targets (the final norm): LoGRA's non_target_optimizer, or an SGD stepped after LoGRA's
+        # step (the DeepSpeed engine's own optimizer under ZeRO).
+        external = mode.startswith("zero") or external_non_target(config)
+        kwargs["non_target_optimizer"] = "external" if external else sgd
+        self.engine = self.external = None
+        if mode == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.wrapped = DistributedDataParallel(self.model)
+        elif mode == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in self.model.model.layers:
+                fully_shard(layer)
+            self.wrapped = fully_shard(self.model)
+        else:
+            import deepspeed
+
+            self.engine, *_ = deepspeed.initialize(
+                model=self.model, optimizer=sgd([self.model.model.norm.weight]), config=deepspeed_config(int(mode[-1]))
+            )
+            self.wrapped = self.engine
+        if external and self.engine is None:
+            self.external = sgd([self.model.model.norm.weight])
+        self.opt = LoGRAOptimizer(self.model, **kwargs)
+
+    def train_step(self, rank: int) -> None:
+        loss = self.wrapped(**rows_of(rank)).loss
+        if self.engine is not None:
+            self.engine.backward(loss)
+            self.opt.step()
+            self.engine.step()
+        else:
+            loss.backward()
+            self.opt.step()
+            if self.external is not None:
+                self.external.step()
+                self.external.zero_grad()
+        self.opt.zero_grad()
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        if self.mode == "fsdp2":
+            from torch.distributed.tensor import DTensor
+
+            with torch.no_grad():
+                full = {}
+                for name, tensor in trained_weights(self.model).items():
+                    full[name] = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+                return full
+        if self.mode == "zero3":
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(self.model.parameters())):
+                return trained_weights(self.model)
+        return trained_weights(self.model)
+
+    def save(self, directory: str) -> None:
+        if self.mode == "ddp":
+            if dist.get_rank() == 0:
+                os.makedirs(directory, exist_ok=True)
+                torch.save({"model": self.model.state_dict(), "optim": self.opt.state_dict()},
+                           os.path.join(directory, "checkpoint.pt"))  # fmt: skip
+            dist.barrier()
+        elif self.mode == "fsdp2":
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+            dcp.save({"model": get_model_state_dict(self.model), "optim": self.opt}, checkpoint_id=directory)
+        else:
+            self.engine.save_checkpoint(directory, tag="step", client_state={"logra": self.opt.state_dict()})
+
+    def load(self, directory: str) -> None:
+        if self.mode == "ddp":
+            state = torch.load(os.path.join(directory, "checkpoint.pt"), weights_only=True)
+            self.model.load_state_dict(state["model"])
+            self.opt.load_state_dict(state["optim"])
+        elif self.mode == "fsdp2":
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+            state = {"model": get_model_state_dict(self.model), "optim": self.opt}  # the optimizer is Stateful
+            dcp.load(state, checkpoint_id=directory)
+            set_model_state_dict(self.model, state["model"])
+        else:
+            _, client = self.engine.load_checkpoint(directory, tag="step")
+            self.opt.load_state_dict(client["logra"])
+
+
+def main() -> None:
+    mode, out = sys.argv[1], sys.argv[2]
+    if mode.startswith("zero"):
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+    else:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    results = {}
+    for config in CONFIGS:
+        run = Run(mode, config)
+        alphas = []
+        for _ in range(STEPS):
+            run.train_step(rank)
+            alphas.append(run.opt.stats["alpha"])
+        results[config] = {"weights": run.weights(), "alphas": alphas, "state": run.opt.state_dict()}
+        del run
+
+    # Checkpoint: two steps, save, a fresh setup resumes and takes the third.
+    checkpoint = os.path.join(out, f"{mode}-checkpoint")
+    run = Run(mode, "kl")
+    for _ in range(STEPS - 1):
+        run.train_step(rank)
+    run.save(checkpoint)
+    del run
+    resumed = Run(mode, "kl")
+    resumed.load(checkpoint)
+    resumed.train_step(rank)
+    results["resumed"] = {"weights": resumed.weights(), "update_index": resumed.opt.update_index}
+
+    # Every rank's view, so the test can check that replicated copies agree bit for bit.
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {k: v["weights"] for k, v in results.items()})
+    if rank == 0:
+        results["per_rank"] = everyone
+        torch.save(results, os.path.join(out, f"{mode}.pt"))
+        print(json.dumps({"ok": mode}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
