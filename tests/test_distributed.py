@@ -137,3 +137,23 @@ def test_row_shards_merge_and_norm_to_the_dense_values(d, k, r, world, seed):
 def test_merge_flat_partition_rejects_a_partition_outside_the_weight():
     with pytest.raises(ValueError, match="outside"):
         dp.merge_flat_partition_(torch.zeros(4), 10, torch.zeros(3, 1), torch.zeros(1, 4))
+
+
+def test_guards_and_rank_summed_scalars(tmp_path):
+    """On 2 real ranks: mismatched projections fail loudly on every rank (seeds at construction, a
+    differing A at the next step, naming the target); Shard(1) and FSDP1 are refused clearly; the
+    predicted KL is the token-weighted mean over every rank's probe positions (3 vs 32 here) and κ
+    the token mean over every rank's tokens."""
+    result = torchrun("guards.py", str(tmp_path))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    for rank, seen in enumerate(torch.load(tmp_path / "guards.pt", weights_only=False)):
+        assert seen["seed"].startswith("RuntimeError") and "ranks [0, 1] disagree" in seen["seed"], rank
+        assert "(0, 0, 4, 'rademacher'" in seen["seed"] and "(1, 0, 4, 'rademacher'" in seen["seed"]
+        assert "projection of target 'model.layers.1.mlp.down_proj' differs" in seen["projection"], rank
+        assert seen["shard1"].startswith("ValueError") and "'model.layers.0.self_attn.o_proj'" in seen["shard1"]
+        assert "Shard(dim=1)" in seen["shard1"]
+        assert seen["fsdp1"].startswith("ValueError") and "fully_shard" in seen["fsdp1"]
+        assert seen["rows"]
+        assert seen["probe_tokens"] == 35
+        assert seen["q"] == pytest.approx(seen["q_reference"], rel=1e-9)
+        assert seen["mismatch"] == pytest.approx(0.3 * (4 * 0.1 + 8 * 0.4) / 12, rel=1e-6)

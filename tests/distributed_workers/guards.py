@@ -1,0 +1,126 @@
+"""Worker for tests/test_distributed.py: the guards and the rank-summed scalars, on 2 real ranks.
+
+Run as ``torchrun --nproc_per_node 2 guards.py OUT``; rank 0 writes ``OUT/guards.pt`` with what each
+check observed (error messages, values), and the test asserts on it.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from common import BATCH, build_model  # noqa: E402
+from logra_optim import LoGRAOptimizer  # noqa: E402
+from logra_optim import distributed as dp  # noqa: E402
+
+warnings.filterwarnings("ignore")
+torch.set_num_threads(1)
+
+
+def error_of(fn) -> str | None:
+    try:
+        fn()
+    except (RuntimeError, ValueError) as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def frozen_model():
+    model = build_model()
+    model.model.norm.weight.requires_grad_(False)
+    return model
+
+
+def main() -> None:
+    out = sys.argv[1]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    results = {}
+    local_group = [dist.new_group([r]) for r in range(2)][rank]  # a group of one: no reduction
+
+    # Different seeds: caught when the optimizer is built, on every rank.
+    results["seed"] = error_of(lambda: LoGRAOptimizer(frozen_model(), rank=4, seed=rank))
+
+    # Same settings, but rank 1's projection of one target differs (as if regenerated differently):
+    # caught at the next step, naming the target.
+    model = frozen_model()
+    opt = LoGRAOptimizer(model, rank=4, update_ratio=1e-2)
+    if rank == 1:
+        target = model.model.layers[1].mlp.down_proj._logra
+        target.set_projection(-target.projection)
+        opt._checksums = [dp.projection_checksum(t.projection) for t in opt._targets]
+    model(**BATCH).loss.backward()
+    results["projection"] = error_of(opt.step)
+    del opt
+
+    # Tensor parallel placements are refused, naming the parameter and the placement.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    model = frozen_model()
+    proj = model.model.layers[0].self_attn.o_proj
+    proj.weight = torch.nn.Parameter(distribute_tensor(proj.weight.detach(), mesh, [Shard(1)]), requires_grad=False)
+    results["shard1"] = error_of(lambda: LoGRAOptimizer(model, rank=4))
+
+    # FSDP1 is refused with a pointer to fully_shard.
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    results["fsdp1"] = error_of(
+        lambda: LoGRAOptimizer(FullyShardedDataParallel(frozen_model(), device_id=torch.device("cpu")), rank=4)
+    )
+
+    # Row ranges of Shard(0) match what distribute_tensor gives each rank, uneven and empty shards too.
+    rows_ok = True
+    for d in range(1, 8):
+        full = torch.arange(d * 3, dtype=torch.float32).reshape(d, 3)
+        sharded = distribute_tensor(full, mesh, [Shard(0)])
+        start, stop = dp.dtensor_rows(full.shape, mesh, sharded.placements)
+        rows_ok &= torch.equal(sharded.to_local(), full[start:stop])
+    results["rows"] = rows_ok
+
+    # The predicted KL is the token-weighted mean over every rank's probe positions (unequal
+    # counts here), and κ the token mean over every rank's tokens.
+    model = frozen_model()
+    reference_model = copy.deepcopy(model)
+    opt = LoGRAOptimizer(model, rank=4, kl_budget=1e-3, update_ratio=1e-2)
+    ids = BATCH["input_ids"]
+    masks = torch.zeros(2, *ids.shape, dtype=torch.bool)
+    masks[0, 0, 2:5] = True  # rank 0: 3 positions
+    masks[1, :, 1:9] = True  # rank 1: 32 positions
+    opt.set_probe_contexts(ids, probe_mask=masks[rank])
+    model(**BATCH).loss.backward()  # same batch on both ranks: the averaged sketch is this one
+    logps = torch.full((2, 6), -1.0)
+    trainer = logps - torch.tensor([0.1, 0.4])[rank]
+    mask = torch.ones_like(logps, dtype=torch.bool)
+    mask[:, 2 * rank + 2 :] = False  # rank 0: 4 tokens, rank 1: 8 tokens
+    results["mismatch"] = opt.observe_mismatch(logps, logps - (logps - trainer), mask)
+    opt.step()
+    results["q"] = opt.stats["predicted_kl"]
+    results["probe_tokens"] = opt.stats["probe_tokens"]
+
+    # One process (a group of one), the union of the contexts.
+    ref = LoGRAOptimizer(reference_model, rank=4, kl_budget=1e-3, update_ratio=1e-2, process_group=local_group)
+    both = torch.cat([ids, ids])
+    ref.set_probe_contexts(both, probe_mask=torch.cat([masks[0], masks[1]]))
+    reference_model(**BATCH).loss.backward()
+    ref.step()
+    results["q_reference"] = ref.stats["predicted_kl"]
+
+    everyone = [None] * 2
+    dist.all_gather_object(everyone, results)
+    if rank == 0:
+        torch.save(everyone, os.path.join(out, "guards.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
