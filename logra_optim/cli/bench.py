@@ -1,0 +1,332 @@
+"""``logra bench``: peak memory and step time of one training step, LoGRA against its peers.
+
+Methods (all on the same model, batch and loss; ``--rank`` is shared by the low-rank ones)
+    ``adamw``          ``torch.optim.AdamW`` on every parameter: the dense baseline of every ratio.
+    ``adamw8bit``      bitsandbytes' ``AdamW8bit`` on every parameter (when bitsandbytes imports).
+    ``lora``           peft LoRA (``r = rank``, ``lora_alpha = 2r``, no dropout) on LoGRA's target
+                       modules, AdamW on the adapters, base weights frozen.
+    ``galore``         ``galore_torch.GaLoreAdamW``: rank-``r`` GaLore on the target weights (projection
+                       refreshed every 200 steps, scale 0.25, as its README), plain AdamW on the rest.
+    ``logra-sgd``      ``LoGRAOptimizer(patch_model(model), rank=r, optimizer="sgd")``.
+    ``logra-rowadam``  the same with RowAdam, at ``--rank`` and each rank of ``--ranks``.
+
+How it is measured: each configuration runs in a fresh process (this module with ``--worker``), so
+peaks cannot leak between configurations; configurations run round-robin ``--rounds`` times, so a
+change of the machine's load spreads over all of them. A step is forward, ``loss.backward()``,
+``step()``, ``zero_grad()``; ``--warmup`` steps first (optimizers allocate state on their first
+step), then ``--runs`` timed steps. Reported: the median over all timed steps, and the peak memory
+(RSS above the post-import level on CPU, ``max_memory_allocated`` on CUDA), highest over rounds.
+Ratios divide by dense AdamW measured in the same invocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .measure import memory_baseline, peak_memory, resolve_device
+
+METHODS = ("adamw", "adamw8bit", "lora", "galore", "logra-sgd", "logra-rowadam")
+BASELINE = "adamw"
+GIB = 2**30
+
+# Published Qwen2.5 shapes; ``layers`` is how many of their decoder layers a run keeps by default
+# (the full 24–28 do not fit dense AdamW into this 24 GiB, 2-core machine). Embeddings keep their
+# real vocabulary: their memory is part of what every method pays.
+PRESETS: dict[str, dict] = {
+    "tiny": dict(hidden_size=64, intermediate_size=176, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                 vocab_size=256, num_hidden_layers=2, tie_word_embeddings=False),
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2,
+                         vocab_size=151936, num_hidden_layers=24, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2,
+                         vocab_size=151936, num_hidden_layers=28, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
+                       vocab_size=152064, num_hidden_layers=28, tie_word_embeddings=False),
+}  # fmt: skip
+DEFAULT_LAYERS = {"tiny": 2, "qwen2.5-0.5b": 2, "qwen2.5-1.5b": 2, "qwen2.5-7b": 1}
+
+
+@dataclass(frozen=True)
+class Configuration:
+    method: str
+    rank: int
+
+    @property
+    def label(self) -> str:
+        return self.method if self.method in ("adamw", "adamw8bit") else f"{self.method} r={self.rank}"
+
+
+def add_arguments(parser: argparse.ArgumentParser, *, model_dir, writable_dir, positive_int, int_list) -> None:
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--preset", choices=sorted(PRESETS), default="qwen2.5-0.5b", help="a model shape")
+    source.add_argument("--config", help="a config.json (or a directory holding one); random weights")
+    source.add_argument("--model", type=model_dir, help="a local Hugging Face causal LM (its weights are loaded)")
+    parser.add_argument("--layers", type=positive_int, help="keep this many decoder layers (default: the preset's)")
+    parser.add_argument("--rank", type=positive_int, default=64, help="rank of LoGRA, LoRA and GaLore")
+    parser.add_argument("--ranks", type=int_list, default=[], help="extra LoGRA RowAdam ranks (comma-separated)")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
+    parser.add_argument("--batch", type=positive_int, default=2)
+    parser.add_argument("--seq", type=positive_int, default=512)
+    parser.add_argument("--warmup", type=positive_int, default=1)
+    parser.add_argument("--runs", type=positive_int, default=3, help="timed steps per process")
+    parser.add_argument("--rounds", type=positive_int, default=3, help="fresh processes per configuration")
+    parser.add_argument("--threads", type=positive_int, help="torch threads per worker (default: torch's)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--output", type=writable_dir, default="logra-bench", help="directory for JSON, table, PNG")
+
+
+# --------------------------------------------------------------------------------------------------
+# Worker: one configuration in one fresh process
+
+
+def model_config(spec: dict):
+    """The ``transformers`` config of the benchmarked model (preset, config file or local model)."""
+    from transformers import AutoConfig, Qwen2Config
+
+    if spec.get("model") or spec.get("config"):
+        config = AutoConfig.from_pretrained(spec.get("model") or spec["config"])
+    else:
+        config = Qwen2Config(**PRESETS[spec["preset"]], max_position_embeddings=max(spec["seq"], 64))
+    if spec.get("layers"):
+        config.num_hidden_layers = spec["layers"]
+        if getattr(config, "layer_types", None):  # per-layer attention kinds must match the count
+            config.layer_types = config.layer_types[: spec["layers"]]
+    config.use_cache = False
+    return config
+
+
+def build_model(spec: dict, device: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = model_config(spec)
+    torch.manual_seed(0)
+    if spec.get("model"):
+        model = AutoModelForCausalLM.from_pretrained(spec["model"], config=config, dtype=torch.float32)
+        return model.to(device).train()
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.train()
+
+
+def make_optimizer(model, method: str, rank: int):
+    """The optimizer of ``method`` (and the model it trains: LoRA wraps it)."""
+    import torch
+
+    from logra_optim import LoGRAOptimizer, find_target_modules, patch_model
+
+    if method.startswith("logra-"):
+        return model, LoGRAOptimizer(patch_model(model), rank=rank, optimizer=method.removeprefix("logra-"))
+    targets = find_target_modules(model)
+    if method == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        names = sorted({name.rsplit(".", 1)[-1] for name, _ in targets})
+        model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=names))
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6, betas=(0.9, 0.95))
+    if method == "galore":
+        from galore_torch import GaLoreAdamW
+
+        low_rank = {id(module.weight) for _, module in targets}
+        galore = [p for p in model.parameters() if id(p) in low_rank]
+        regular = [p for p in model.parameters() if id(p) not in low_rank]
+        groups = [{"params": regular},
+                  {"params": galore, "rank": rank, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}]  # fmt: skip
+        return model, GaLoreAdamW(groups, lr=1e-6, betas=(0.9, 0.95))
+    if method == "adamw8bit":
+        import bitsandbytes
+
+        return model, bitsandbytes.optim.AdamW8bit(model.parameters(), lr=1e-6, betas=(0.9, 0.95))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.95))
+
+
+def _synchronize(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+OPTIONAL_MODULES = {"lora": "peft", "galore": "galore_torch", "adamw8bit": "bitsandbytes"}
+
+
+def run_worker(spec: dict) -> dict:
+    import importlib
+
+    import torch
+    from transformers import AutoModelForCausalLM  # noqa: F401  (resolves transformers' lazy import)
+
+    import logra_optim  # noqa: F401
+
+    # Every import the step needs happens before the memory baseline: module code is not training memory.
+    if spec["method"] in OPTIONAL_MODULES:
+        importlib.import_module(OPTIONAL_MODULES[spec["method"]])
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    device = spec["device"]
+    baseline = memory_baseline(device)
+    model = build_model(spec, device)
+    model, optimizer = make_optimizer(model, spec["method"], spec["rank"])
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, model.config.vocab_size, (spec["batch"], spec["seq"]), generator=generator).to(device)
+    times = []
+    for step in range(spec["warmup"] + spec["runs"]):
+        _synchronize(device)
+        start = time.perf_counter()
+        model(input_ids=input_ids, labels=input_ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        _synchronize(device)
+        if step >= spec["warmup"]:
+            times.append(time.perf_counter() - start)
+    return {
+        "step_s": times,
+        "peak_bytes": peak_memory(device) - baseline,
+        # LoGRA's targets take no .grad, so count what each optimizer updates, not requires_grad.
+        "trained_params": sum(p.numel() for group in optimizer.param_groups for p in group["params"]),
+        "total_params": sum(p.numel() for p in model.parameters()),
+        "layers": model.config.num_hidden_layers,
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# Parent
+
+
+def method_available(method: str) -> str | None:
+    """``None`` if ``method`` can run here, else why not (a missing optional package)."""
+    module = OPTIONAL_MODULES.get(method)
+    if module is None:
+        return None
+    import importlib.util
+
+    return None if importlib.util.find_spec(module) else f"{module} is not installed"
+
+
+def run_configuration(spec: dict) -> dict:
+    command = [sys.executable, "-m", "logra_optim.cli.bench", "--worker", json.dumps(spec)]
+    process = subprocess.run(command, capture_output=True, text=True, check=False)
+    if process.returncode != 0:
+        raise RuntimeError(f"{spec['method']} r={spec['rank']} failed (exit {process.returncode}):\n"
+                           f"{process.stderr[-3000:]}")  # fmt: skip
+    return json.loads(process.stdout.strip().splitlines()[-1])
+
+
+def summarize(config: Configuration, samples: list[dict]) -> dict:
+    steps = [t for sample in samples for t in sample["step_s"]]
+    return {
+        "label": config.label, "method": config.method, "rank": config.rank,
+        "step_s": statistics.median(steps), "step_times_s": steps,
+        "peak_bytes": max(s["peak_bytes"] for s in samples),
+        "trained_params": samples[0]["trained_params"], "total_params": samples[0]["total_params"],
+    }  # fmt: skip
+
+
+def table(results: list[dict]) -> tuple[list[str], list[list[str]]]:
+    base = next((r for r in results if r["method"] == BASELINE), None)
+    headers = ["method", "trained params", "peak GiB", "step s (median)"]
+    if base:
+        headers += ["memory / AdamW", "time / AdamW"]
+    rows = []
+    for r in results:
+        row = [r["label"], f"{r['trained_params'] / 1e6:.2f} M", f"{r['peak_bytes'] / GIB:.3f}", f"{r['step_s']:.3f}"]
+        if base:
+            row += [f"{r['peak_bytes'] / base['peak_bytes']:.2f}×", f"{r['step_s'] / base['step_s']:.2f}×"]
+        rows.append(row)
+    return headers, rows
+
+
+def plot(results: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [r["label"] for r in results]
+    colors = ["tab:blue" if r["method"].startswith("logra") else "tab:gray" for r in results]
+    fig, (memory, time_ax) = plt.subplots(1, 2, figsize=(11, 0.45 * len(results) + 1.8))
+    memory.barh(labels, [r["peak_bytes"] / GIB for r in results], color=colors)
+    memory.set_xlabel("peak training memory (GiB)")
+    time_ax.barh(labels, [r["step_s"] for r in results], color=colors)
+    time_ax.set_xlabel("seconds per step (median)")
+    time_ax.set_yticklabels([])
+    for ax in (memory, time_ax):
+        ax.invert_yaxis()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]:
+    from rich.console import Console
+    from rich.table import Table
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown or not methods:
+        parser.error(f"--methods: unknown {unknown or 'empty list'}; choose from {','.join(METHODS)}")
+    if args.config and not Path(args.config).exists():
+        parser.error(f"--config {args.config}: no such file")
+    device = resolve_device(args.device)
+    layers = args.layers or (None if (args.model or args.config) else DEFAULT_LAYERS[args.preset])
+    base_spec = dict(preset=args.preset, config=args.config, model=args.model, layers=layers, batch=args.batch,
+                     seq=args.seq, warmup=args.warmup, runs=args.runs, threads=args.threads, device=device)  # fmt: skip
+    console = Console(stderr=True)
+    configs, skipped = [], {}
+    for method in methods:
+        reason = method_available(method)
+        if reason:
+            skipped[method] = reason
+            continue
+        ranks = sorted({args.rank, *args.ranks}) if method == "logra-rowadam" else [args.rank]
+        configs += [Configuration(method, 0 if method in ("adamw", "adamw8bit") else rank) for rank in ranks]
+    for method, reason in skipped.items():
+        console.print(f"[yellow]skipping {method}: {reason}[/]")
+
+    samples: dict[Configuration, list[dict]] = {config: [] for config in configs}
+    started = time.perf_counter()
+    from rich.progress import Progress
+
+    with Progress(console=console) as progress:
+        bar = progress.add_task("benchmark", total=len(configs) * args.rounds)
+        for _ in range(args.rounds):
+            for config in configs:
+                progress.update(bar, description=config.label)
+                samples[config].append(run_configuration({**base_spec, "method": config.method, "rank": config.rank}))
+                progress.advance(bar)
+    results = [summarize(config, runs) for config, runs in samples.items()]
+    source = args.model or args.config or f"preset {args.preset}"
+    title = (f"{source}, {samples[configs[0]][0]['layers']} layers, {results[0]['total_params'] / 1e6:.0f} M params; "
+             f"batch {args.batch}×{args.seq}; {device}; median of {args.rounds}×{args.runs} steps")  # fmt: skip
+    headers, rows = table(results)
+    rich_table = Table(title=title, title_justify="left")
+    for i, header in enumerate(headers):
+        rich_table.add_column(header, justify="left" if i == 0 else "right", no_wrap=i == 0)
+    for row in rows:
+        rich_table.add_row(*row)
+    Console(width=max(Console().width, 120)).print(rich_table)
+
+    output = Path(args.output)
+    command = "logra bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else "logra bench"
+    meta = {"command": command, "title": title, "device": device, "machine": platform.machine(),
+            "skipped": skipped, "seconds": time.perf_counter() - started, **base_spec}  # fmt: skip
+    (output / "bench.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    markdown = [f"{title}.", "", f"Command: `{command}`", "", "| " + " | ".join(headers) + " |",
+                "|" + "|".join("---" if i == 0 else "---:" for i in range(len(headers))) + "|",
+                *("| " + " | ".join(row) + " |" for row in rows)]  # fmt: skip
+    (output / "bench.md").write_text("\n".join(markdown) + "\n")
+    plot(results, output / "bench.png", title)
+    console.print(f"results: {output / 'bench.json'}, {output / 'bench.md'}, {output / 'bench.png'}")
+    return results
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
+    print(json.dumps(run_worker(json.loads(sys.argv[2]))))

@@ -1,0 +1,453 @@
+"""``logra demo``: GRPO with verifiable rewards, trained by LoGRA and by dense AdamW side by side.
+
+What it does, and why each piece is there:
+
+1. **Policy.** Without ``--model``, a tiny Qwen2 built from a config and a one-token-per-character
+   tokenizer built in memory: nothing is downloaded, and 2 CPU cores train it in minutes. With
+   ``--model PATH``, any local Hugging Face causal LM and its tokenizer.
+2. **Warm start.** A randomly initialised policy never produces a correct digit, so every GRPO group
+   would have zero advantage. A short supervised pass on correct answers (AdamW, answer tokens only)
+   brings it to partial competence; both methods start from this same checkpoint.
+3. **RL.** TRL's ``GRPOTrainer`` on fresh problems, once with ``attach_logra`` (the two-line change
+   of the README) and once with dense AdamW on every parameter, each seed in a fresh process so
+   that peak memory is the run's own (RSS above the post-import level on CPU, the allocator's peak
+   on CUDA).
+4. **Evaluation.** Greedy decoding on held-out problems before and after RL: mean reward and exact
+   accuracy, which the noisy sampled training reward cannot show.
+
+The parent process prints a table and saves ``reward.png`` (training reward curves) and
+``memory.png`` next to ``summary.json`` in the output directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from . import tasks
+from .measure import memory_baseline, peak_memory, resolve_device
+
+METHODS = ("logra", "adamw")
+LABELS = {"logra": "LoGRA (GRPO)", "adamw": "dense AdamW (GRPO)"}
+SPECIAL_TOKENS = {"pad": "<pad>", "eos": "<eos>", "unk": "<unk>", "bos": "<bos>"}
+EVAL_PROBLEMS = 256
+
+
+@dataclass
+class DemoSettings:
+    """Everything a run needs; the parent writes it as JSON for each worker process."""
+
+    output: str
+    task: str = "addition"
+    digits: int = 2
+    steps: int = 150
+    rank: int = 16
+    kl_budget: float = 2e-2
+    update_ratio: float = 5e-2
+    probe_samples: int = 32
+    adamw_lr: float = 1e-3
+    warm_start_steps: int = 300
+    batch_size: int = 64
+    num_generations: int = 8
+    seeds: list[int] = field(default_factory=lambda: [0])
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    model: str | None = None
+    device: str = "auto"
+    threads: int | None = None
+
+    @property
+    def style(self) -> str:
+        return "text" if self.model else "spaced"
+
+
+# --------------------------------------------------------------------------------------------------
+# The tiny policy and its tokenizer
+
+
+def build_tokenizer():
+    """A word-level tokenizer with one token per task symbol; prompts are written space-separated."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {symbol: i for i, symbol in enumerate([*tasks.SYMBOLS, *SPECIAL_TOKENS.values()])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token=SPECIAL_TOKENS["unk"]))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins tokens with single spaces
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, **{f"{role}_token": token for role, token in SPECIAL_TOKENS.items()}
+    )
+    tokenizer.padding_side = "left"  # generation continues the prompt's last token
+    return tokenizer
+
+
+def build_tiny_policy(tokenizer, seed: int):
+    """A 2-layer Qwen2 (hidden 128, ~0.4 M parameters): big enough to add, small enough for 2 cores."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=352, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
+        tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config)
+
+
+def load_policy(settings: DemoSettings, path: str | None = None):
+    """The policy and tokenizer from ``path`` (a saved checkpoint or ``--model``)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = path or settings.model
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
+    return model, tokenizer
+
+
+# --------------------------------------------------------------------------------------------------
+# Warm start and evaluation
+
+
+def _encode_supervised(tokenizer, problems: list[tasks.Problem], device):
+    """Prompt + answer + eos, right-padded, with labels only on the answer and eos."""
+    import torch
+
+    rows, labels = [], []
+    for problem in problems:
+        prompt = tokenizer(problem.prompt, add_special_tokens=False)["input_ids"]
+        answer = tokenizer(problem.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        rows.append(prompt + answer)
+        labels.append([-100] * len(prompt) + answer)
+    width = max(map(len, rows))
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=device)
+    label_ids = torch.tensor([r + [-100] * (width - len(r)) for r in labels], device=device)
+    attention = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=device)
+    return input_ids, attention, label_ids
+
+
+def warm_start(model, tokenizer, settings: DemoSettings, seed: int, device, progress=None) -> None:
+    """Supervised steps on correct answers, so that RL starts from partial competence."""
+    import torch
+
+    model.to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    problems = tasks.make_problems(settings.task, settings.warm_start_steps * 32, digits=settings.digits,
+                                   style=settings.style, seed=10_000 + seed)  # fmt: skip
+    for step in range(settings.warm_start_steps):
+        input_ids, attention, labels = _encode_supervised(tokenizer, problems[step * 32 : (step + 1) * 32], device)
+        model(input_ids=input_ids, attention_mask=attention, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if progress is not None:
+            progress()
+
+
+def evaluate(model, tokenizer, settings: DemoSettings, device) -> dict[str, float]:
+    """Greedy answers to held-out problems: mean reward and exact-match accuracy."""
+    import torch
+
+    problems = tasks.make_problems(
+        settings.task, EVAL_PROBLEMS, digits=settings.digits, style=settings.style, seed=-1 & 0xFFFF
+    )  # fmt: skip  (a seed no training set uses)
+    was_training = model.training
+    model.eval()
+    scores = []
+    with torch.no_grad():
+        for start in range(0, len(problems), 64):
+            chunk = problems[start : start + 64]
+            batch = tokenizer([p.prompt for p in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
+            batch = batch.to(device)
+            generated = model.generate(
+                **batch, max_new_tokens=tasks.answer_length(settings.task, settings.digits) + 1, do_sample=False,
+                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+            )  # fmt: skip
+            texts = tokenizer.batch_decode(generated[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+            scores += [tasks.score(text, p.answer) for text, p in zip(texts, chunk)]
+    model.train(was_training)
+    return {"reward": statistics.fmean(scores), "accuracy": sum(s == 1.0 for s in scores) / len(scores)}
+
+
+# --------------------------------------------------------------------------------------------------
+# One RL run (worker process)
+
+
+def _grpo_config(settings: DemoSettings, method: str, seed: int, device: str):
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=str(Path(settings.output) / "runs" / f"{method}-seed{seed}"),
+        max_steps=settings.steps,
+        per_device_train_batch_size=settings.batch_size,
+        num_generations=settings.num_generations,
+        max_completion_length=tasks.answer_length(settings.task, settings.digits) + 1,
+        temperature=1.0,
+        learning_rate=settings.adamw_lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        seed=seed,
+        data_seed=seed,
+        use_cpu=device == "cpu",
+        bf16=False,
+        report_to="none",
+        use_vllm=False,
+        gradient_checkpointing=False,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+
+
+def run_worker(settings: DemoSettings, method: str, seed: int) -> dict:
+    """Train from the warm-start checkpoint with ``method`` in this fresh process; return the record."""
+    import torch
+    from datasets import Dataset
+    from trl import GRPOTrainer
+
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    device = resolve_device(settings.device)
+    baseline = memory_baseline(device)
+
+    model, tokenizer = load_policy(settings, str(Path(settings.output) / "warm_start" / f"seed{seed}"))
+    model.to(device)
+    before = evaluate(model, tokenizer, settings, device)
+    problems = tasks.make_problems(settings.task, settings.steps * settings.batch_size, digits=settings.digits,
+                                   style=settings.style, seed=seed)  # fmt: skip
+    dataset = Dataset.from_dict({"prompt": [p.prompt for p in problems], "answer": [p.answer for p in problems]})
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=tasks.reward, args=_grpo_config(settings, method, seed, device),
+        train_dataset=dataset, processing_class=tokenizer, callbacks=[ProgressLine(settings.steps, method, seed)],
+    )  # fmt: skip
+    if method == "logra":
+        from logra_optim.integrations.trl import attach_logra
+
+        attach_logra(
+            trainer,
+            rank=settings.rank,
+            kl_budget=settings.kl_budget,
+            update_ratio=settings.update_ratio,
+            probe_samples=settings.probe_samples,
+        )
+    started = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - started
+    after = evaluate(model, tokenizer, settings, device)
+    history = trainer.state.log_history
+    rewards = [entry["reward"] for entry in history if "reward" in entry]
+    logra_stats = {key: [entry[key] for entry in history if key in entry]
+                   for key in sorted({k for entry in history for k in entry if k.startswith("logra/")})}  # fmt: skip
+    return {
+        "method": method,
+        "seed": seed,
+        "before": before,
+        "after": after,
+        "train_rewards": rewards,
+        "logra_stats": logra_stats,
+        "seconds_per_update": seconds / settings.steps,
+        "peak_bytes": peak_memory(device) - baseline,
+        "device": device,
+        "trained_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+    }
+
+
+def _trainer_callback_base():
+    from transformers import TrainerCallback
+
+    return TrainerCallback
+
+
+class ProgressLine(_trainer_callback_base()):
+    """One status line per run on stderr (the parent shows it under its own bar): step and reward."""
+
+    def __init__(self, steps: int, method: str, seed: int):
+        self.steps, self.prefix = steps, f"{LABELS[method]} seed {seed}"
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "reward" in logs:
+            print(f"PROGRESS {state.global_step} {self.steps} {logs['reward']:.4f}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Parent: warm start, one worker per (method, seed), table and plots
+
+
+def prepare_warm_starts(settings: DemoSettings, device: str, console) -> None:
+    """Build (or load) the policy and warm-start it once per seed; both methods start from it."""
+    from rich.progress import Progress
+
+    for seed in settings.seeds:
+        target = Path(settings.output) / "warm_start" / f"seed{seed}"
+        if settings.model:
+            model, tokenizer = load_policy(settings)
+        else:
+            tokenizer = build_tokenizer()
+            model = build_tiny_policy(tokenizer, seed)
+        if settings.warm_start_steps:
+            with Progress(console=console, transient=True) as progress:
+                bar = progress.add_task(f"warm start (supervised), seed {seed}", total=settings.warm_start_steps)
+                warm_start(model, tokenizer, settings, seed, device, lambda: progress.advance(bar))
+        model.save_pretrained(target)
+        tokenizer.save_pretrained(target)
+
+
+def launch_worker(settings: DemoSettings, method: str, seed: int, console) -> dict:
+    """Run one RL run in a fresh process, showing its progress; return its record."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    spec = Path(settings.output) / "runs" / f"{method}-seed{seed}.spec.json"
+    spec.parent.mkdir(parents=True, exist_ok=True)
+    spec.write_text(json.dumps({"settings": asdict(settings), "method": method, "seed": seed}))
+    result_path = spec.with_suffix("").with_suffix(".result.json")
+    command = [sys.executable, "-m", "logra_optim.cli.demo", str(spec), str(result_path)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    log_lines: list[str] = []
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("reward {task.fields[reward]}"), TimeElapsedColumn())  # fmt: skip
+    with Progress(*columns, console=console) as progress:
+        bar = progress.add_task(f"{LABELS[method]}, seed {seed}", total=settings.steps, reward="-")
+        with subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env) as proc:
+            for line in proc.stderr:
+                if line.startswith("PROGRESS "):
+                    step, _, value = line.split()[1:4]
+                    progress.update(bar, completed=int(step), reward=value)
+                else:
+                    log_lines.append(line)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{LABELS[method]} run (seed {seed}) failed:\n{''.join(log_lines[-40:])}")
+    return json.loads(result_path.read_text())
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """Per method: means (and spreads over seeds) of the before/after evaluation, memory and time."""
+    rows = []
+    for method in METHODS:
+        runs = [r for r in records if r["method"] == method]
+        if not runs:
+            continue
+
+        def stat(values):
+            return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+        rows.append({
+            "method": method,
+            "seeds": [r["seed"] for r in runs],
+            "reward_before": stat([r["before"]["reward"] for r in runs]),
+            "reward_after": stat([r["after"]["reward"] for r in runs]),
+            "accuracy_before": stat([r["before"]["accuracy"] for r in runs]),
+            "accuracy_after": stat([r["after"]["accuracy"] for r in runs]),
+            "peak_bytes": max(r["peak_bytes"] for r in runs),
+            "seconds_per_update": statistics.median(r["seconds_per_update"] for r in runs),
+            "trained_params": runs[0]["trained_params"],
+        })  # fmt: skip
+    return rows
+
+
+def table_rows(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    def pm(pair, fmt="{:.3f}"):
+        mean, spread = pair
+        return fmt.format(mean) + (f" ± {fmt.format(spread)}" if spread else "")
+
+    adamw = next((r for r in rows if r["method"] == "adamw"), None)
+    headers = ["method", "reward before", "reward after", "exact before", "exact after", "peak MiB", "s / update"]
+    if adamw:
+        headers += ["memory / AdamW", "time / AdamW"]
+    cells = []
+    for r in rows:
+        row = [LABELS[r["method"]], pm(r["reward_before"]), pm(r["reward_after"]), pm(r["accuracy_before"]),
+               pm(r["accuracy_after"]), f"{r['peak_bytes'] / 2**20:.0f}", f"{r['seconds_per_update']:.2f}"]  # fmt: skip
+        if adamw:
+            row += [f"{r['peak_bytes'] / adamw['peak_bytes']:.2f}×",
+                    f"{r['seconds_per_update'] / adamw['seconds_per_update']:.2f}×"]  # fmt: skip
+        cells.append(row)
+    return headers, cells
+
+
+def plot(records: list[dict], rows: list[dict], output: Path) -> list[Path]:
+    """Reward curves (each seed faint, the seed mean bold) and a peak-memory bar chart."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"logra": "tab:blue", "adamw": "tab:orange"}
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for method in METHODS:
+        curves = [r["train_rewards"] for r in records if r["method"] == method]
+        if not curves:
+            continue
+        for curve in curves:
+            ax.plot(range(1, len(curve) + 1), curve, color=colors[method], alpha=0.25, linewidth=0.8)
+        length = min(map(len, curves))
+        mean = [statistics.fmean(c[i] for c in curves) for i in range(length)]
+        window = max(1, length // 15)
+        smooth = [statistics.fmean(mean[max(0, i - window + 1) : i + 1]) for i in range(length)]
+        ax.plot(range(1, length + 1), smooth, color=colors[method], linewidth=2, label=LABELS[method])
+    ax.set_xlabel("GRPO update")
+    ax.set_ylabel("training reward (sampled)")
+    ax.set_title("Reward during RL (faint: each seed; bold: seed mean, moving average)")
+    ax.legend()
+    fig.tight_layout()
+    reward_png = output / "reward.png"
+    fig.savefig(reward_png, dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.bar([LABELS[r["method"]] for r in rows], [r["peak_bytes"] / 2**20 for r in rows],
+           color=[colors[r["method"]] for r in rows])  # fmt: skip
+    ax.set_ylabel("peak training memory (MiB)")
+    ax.set_title("Peak memory of the RL process")
+    fig.tight_layout()
+    memory_png = output / "memory.png"
+    fig.savefig(memory_png, dpi=120)
+    plt.close(fig)
+    return [reward_png, memory_png]
+
+
+def run(settings: DemoSettings) -> dict:
+    """The whole demo; returns the summary that is also written to ``summary.json``."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(stderr=True)
+    output = Path(settings.output)
+    device = resolve_device(settings.device)
+    started = time.perf_counter()
+    source = settings.model or "a tiny Qwen2 built from a config (no download)"
+    console.print(f"[bold]logra demo[/]: task {settings.task} ({settings.digits} digits), policy {source}, "
+                  f"device {device}, seeds {settings.seeds}")  # fmt: skip
+    prepare_warm_starts(settings, device, console)
+    records = [launch_worker(settings, method, seed, console) for seed in settings.seeds for method in settings.methods]
+    rows = summarize(records)
+    headers, cells = table_rows(rows)
+    table = Table(title="GRPO from the same warm start (greedy evaluation on held-out problems)")
+    for i, header in enumerate(headers):
+        table.add_column(header, justify="left" if i == 0 else "right")
+    for row in cells:
+        table.add_row(*row)
+    Console().print(table)
+    images = plot(records, rows, output)
+    summary = {"settings": asdict(settings), "device": device, "rows": rows, "runs": records,
+               "wall_seconds": time.perf_counter() - started}  # fmt: skip
+    (output / "summary.json").write_text(json.dumps(summary, indent=2))
+    console.print(f"plots: {', '.join(str(p) for p in images)}; summary: {output / 'summary.json'} "
+                  f"({summary['wall_seconds']:.0f} s)")  # fmt: skip
+    return summary
+
+
+if __name__ == "__main__":
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    record = run_worker(DemoSettings(**spec["settings"]), spec["method"], spec["seed"])
+    Path(sys.argv[2]).write_text(json.dumps(record))

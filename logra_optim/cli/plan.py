@@ -1,0 +1,218 @@
+"""``logra plan``: predicted per-GPU training memory of dense AdamW, LoRA and LoGRA from a config.
+
+The prediction counts bytes by component, from the shapes in ``config.json`` alone (Llama/Qwen/
+Mistral-style decoders: attention q/k/v/o and a gated MLP per layer), for a per-GPU micro-batch of
+``B × T`` tokens and ``N`` GPUs that shard (FSDP full shard / ZeRO-3) or replicate (DDP) the model:
+
+* **weights**: ``P`` parameters at the model dtype, ``/ N`` when sharded.
+* **dense AdamW**: gradients at the model dtype, two fp32 moments, an fp32 master copy when the
+  model dtype is not fp32, all ``/ N`` when sharded; plus one fp32 parameter-sized temporary of
+  torch's default (foreach) AdamW step (``sqrt`` of the second moment).
+* **LoRA** (rank ``r`` on the same targets, fp32 adapters): per target ``(d + k) r`` adapter
+  parameters with gradients and two moments; activations: those of dense training (each adapter's
+  ``lora_A`` keeps its input) plus the ``r``-wide adapter outputs.
+* **LoGRA**: per target the fp32 sketch ``d × r``, the projection ``r × k`` (fp32, and a copy at the
+  activation dtype if that differs), one fp32 RowAdam statistic per row, all replicated on every
+  GPU (each rank sketches its own tokens, then they are averaged); activations: a target layer keeps
+  ``x Aᵀ`` (``r`` wide) instead of its input ``x``.
+* **activations** per token and layer, in elements at the activation dtype (``H`` hidden, ``I``
+  intermediate, ``kv`` the k/v width): two RMSNorms keep ``2H`` each; attention keeps q, k, v and
+  its output (``2H + 2kv``, a fused kernel with no ``T × T`` scores); the linear layers' inputs
+  (``H`` for q/k/v, ``H`` for o, ``H`` for gate/up, ``I`` for down); the gated activation ``3I``.
+  With gradient checkpointing only each layer's input (``H``) plus one layer's full set stay.
+* **logits**: the LM head's output at the activation dtype, its fp32 upcast for the loss and the
+  fp32 gradient: ``(a + 8) V`` bytes per token.
+
+What the model leaves out: allocator fragmentation and CUDA context (≈0.5–1 GiB per GPU), the KL
+probe's forward (inference-mode, one layer at a time), communication buffers, and the rollout engine.
+``logra bench`` measures the same components on a real step; ``--measured bench.json`` prints
+prediction and measurement side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+GIB = 2**30
+METHODS = ("adamw", "lora", "logra")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+
+    @classmethod
+    def from_config(cls, config: dict) -> "Shape":
+        config = config.get("text_config", config)  # multimodal configs nest the language model
+        try:
+            hidden = config["hidden_size"]
+            heads = config["num_attention_heads"]
+            return cls(
+                hidden=hidden, intermediate=config["intermediate_size"], layers=config["num_hidden_layers"],
+                heads=heads, kv_heads=config.get("num_key_value_heads") or heads,
+                head_dim=config.get("head_dim") or hidden // heads, vocab=config["vocab_size"],
+                tied=bool(config.get("tie_word_embeddings", False)),
+            )  # fmt: skip
+        except KeyError as missing:
+            raise ValueError(f"config has no {missing.args[0]!r}: logra plan models Llama/Qwen/Mistral-style "
+                             "decoders (hidden_size, intermediate_size, num_hidden_layers, …)") from None
+
+    def targets(self) -> list[tuple[int, int]]:
+        """(out d, in k) of one layer's LoGRA targets: q, k, v, o, gate, up, down."""
+        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
+        return [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)]
+
+    @property
+    def target_params(self) -> int:
+        return self.layers * sum(d * k for d, k in self.targets())
+
+    @property
+    def params(self) -> int:
+        embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
+        norms = self.layers * 2 * self.hidden + self.hidden
+        biases = self.layers * (self.heads + 2 * self.kv_heads) * self.head_dim  # q/k/v biases (Qwen2)
+        return self.target_params + embeddings + norms + biases
+
+
+@dataclass(frozen=True)
+class Setting:
+    rank: int = 256
+    dtype: str = "bf16"
+    batch: int = 1
+    seq: int = 4096
+    gpus: int = 1
+    sharded: bool = True
+    checkpointing: bool = True
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+
+def _layer_activations(shape: Shape, method: str, rank: int) -> int:
+    """Elements kept per token by one decoder layer for the backward pass (see the module docstring)."""
+    h, i = shape.hidden, shape.intermediate
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    norms, attention, gated = 4 * h, 2 * q + 2 * kv, 3 * i
+    linear_inputs = h + q + h + i  # inputs of q/k/v (shared), o, gate/up (shared), down
+    if method == "logra":
+        return norms + attention + gated + 7 * rank  # each target keeps x Aᵀ instead of x
+    if method == "lora":
+        return norms + attention + gated + linear_inputs + 7 * rank  # + each adapter's r-wide output
+    return norms + attention + gated + linear_inputs
+
+
+def breakdown(shape: Shape, method: str, setting: Setting) -> dict[str, float]:
+    """Predicted bytes per GPU by component for one training step of ``method``."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    a = DTYPE_BYTES[setting.dtype]
+    shard = setting.gpus if setting.sharded else 1
+    r = setting.rank
+    parts = {"weights": a * shape.params / shard}
+    if method == "adamw":
+        master = 0 if setting.dtype == "fp32" else 4
+        parts["gradients"] = a * shape.params / shard
+        parts["optimizer state"] = (8 + master) * shape.params / shard
+        parts["optimizer step temporaries"] = 4 * shape.params / shard
+    elif method == "lora":
+        adapters = shape.layers * sum((d + k) * r for d, k in shape.targets())
+        parts["adapters + gradients + moments"] = 16 * adapters / shard
+    else:
+        outs = shape.layers * sum(d for d, _ in shape.targets())
+        ins = shape.layers * sum(k for _, k in shape.targets())
+        parts["sketches"] = 4 * outs * r
+        parts["projections"] = (4 + (0 if a == 4 else a)) * ins * r
+        parts["row statistics"] = 4 * outs
+
+    per_layer = _layer_activations(shape, method, r)
+    if setting.checkpointing:
+        kept = shape.layers * shape.hidden + per_layer
+    else:
+        kept = shape.layers * per_layer
+    parts["activations"] = a * kept * setting.tokens
+    parts["logits"] = (a + 8) * shape.vocab * setting.tokens
+    return parts
+
+
+def add_arguments(parser: argparse.ArgumentParser, *, positive_int) -> None:
+    parser.add_argument("config", help="a config.json, or a directory holding one")
+    parser.add_argument("--rank", type=positive_int, default=256)
+    parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="weights and activations")
+    parser.add_argument("--batch", type=positive_int, default=1, help="sequences per GPU per micro-batch")
+    parser.add_argument("--seq", type=positive_int, default=4096, help="tokens per sequence")
+    parser.add_argument("--gpus", type=positive_int, default=1, help="data-parallel GPUs")
+    parser.add_argument("--replicated", action="store_true", help="DDP: every GPU holds everything (default: "
+                        "FSDP full shard / ZeRO-3 shard weights, gradients and optimizer state over --gpus)")
+    parser.add_argument("--no-checkpointing", action="store_true", help="keep every layer's activations")
+    parser.add_argument("--layers", type=positive_int, help="override the config's layer count")
+    parser.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU, for the 'fits' column")
+    parser.add_argument("--measured", help="a `logra bench` bench.json to compare with (same shape and batch)")
+
+
+def read_config(path: str) -> dict:
+    file = Path(path)
+    if file.is_dir():
+        file = file / "config.json"
+    if not file.is_file():
+        raise ValueError(f"{path}: no config.json there")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{file}: not valid JSON ({error})") from None
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
+    from rich.console import Console
+    from rich.table import Table
+
+    config = read_config(args.config)
+    if args.layers:
+        config = {**config.get("text_config", config), "num_hidden_layers": args.layers}
+    shape = Shape.from_config(config)
+    smallest = min(min(d, k) for d, k in shape.targets())
+    if args.rank > smallest:
+        parser.error(f"--rank {args.rank} exceeds the smallest target dimension ({smallest}) of this model")
+    setting = Setting(rank=args.rank, dtype=args.dtype, batch=args.batch, seq=args.seq, gpus=args.gpus,
+                      sharded=not args.replicated, checkpointing=not args.no_checkpointing)  # fmt: skip
+    predictions = {method: breakdown(shape, method, setting) for method in METHODS}
+    measured = _measured_peaks(args.measured) if args.measured else {}
+
+    title = (f"{shape.params / 1e9:.2f} B parameters ({shape.target_params / 1e9:.2f} B in targets); {setting.dtype}; "
+             f"{setting.batch}×{setting.seq} tokens per GPU; {setting.gpus} GPU(s), "
+             f"{'sharded' if setting.sharded else 'replicated'}; checkpointing {'on' if setting.checkpointing else 'off'}; "
+             f"rank {setting.rank}")  # fmt: skip
+    components = list(dict.fromkeys(c for parts in predictions.values() for c in parts))
+    table = Table(title=title, title_justify="left")
+    table.add_column("GiB per GPU")
+    for method in METHODS:
+        table.add_column(method, justify="right")
+    for component in components:
+        table.add_row(component, *(f"{predictions[m].get(component, 0) / GIB:.2f}" for m in METHODS))
+    totals = {m: sum(parts.values()) for m, parts in predictions.items()}
+    table.add_row("[bold]total[/]", *(f"[bold]{totals[m] / GIB:.2f}[/]" for m in METHODS))
+    table.add_row(f"fits {args.gpu_memory:g} GiB", *("yes" if totals[m] / GIB <= args.gpu_memory else "no" for m in METHODS))
+    if measured:
+        table.add_row("measured peak", *(f"{measured[m] / GIB:.2f}" if m in measured else "-" for m in METHODS))
+        table.add_row("predicted / measured",
+                      *(f"{totals[m] / measured[m]:.2f}×" if m in measured else "-" for m in METHODS))  # fmt: skip
+    Console(width=max(Console().width, 110)).print(table)
+    return {"shape": shape, "setting": setting, "predictions": predictions, "totals": totals, "measured": measured}
+
+
+def _measured_peaks(path: str) -> dict[str, int]:
+    """Peaks of a ``logra bench`` run by plan method: dense AdamW, LoRA, LoGRA (RowAdam, its rank)."""
+    results = json.loads(Path(path).read_text())["results"]
+    chosen = {"adamw": "adamw", "lora": "lora", "logra": "logra-rowadam"}
+    return {plan: r["peak_bytes"] for plan, bench in chosen.items() for r in results if r["method"] == bench}
