@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="RL with verifiable rewards: warm-start a policy briefly, then train it with GRPO (TRL) "
                     "once with LoGRA and once with dense AdamW; print a table and save reward and memory plots.",
     )  # fmt: skip
-    demo.add_argument("--model", type=_model_dir, help="a local Hugging Face causal LM (default: a tiny Qwen2 built here)")
+    demo.add_argument("--model", type=_model_dir,
+                      help="a local Hugging Face causal LM (default: a tiny Qwen2 built here)")  # fmt: skip
     demo.add_argument("--task", choices=sorted(tasks.TASKS), default="addition")
     demo.add_argument("--digits", type=_positive_int, default=1, help="operand digits (sort: digits+2 numbers)")
     demo.add_argument("--steps", type=_positive_int, default=300, help="GRPO updates per run")

@@ -28,7 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from .measure import memory_baseline, peak_memory, resolve_device
@@ -137,8 +137,8 @@ def make_optimizer(model, method: str, rank: int):
         low_rank = {id(module.weight) for _, module in targets}
         galore = [p for p in model.parameters() if id(p) in low_rank]
         regular = [p for p in model.parameters() if id(p) not in low_rank]
-        groups = [{"params": regular},
-                  {"params": galore, "rank": rank, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}]  # fmt: skip
+        galore_settings = {"rank": rank, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}
+        groups = [{"params": regular}, {"params": galore, **galore_settings}]
         return model, GaLoreAdamW(groups, lr=1e-6, betas=(0.9, 0.95))
     if method == "adamw8bit":
         import bitsandbytes

@@ -189,10 +189,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
     predictions = {method: breakdown(shape, method, setting) for method in METHODS}
     measured = _measured_peaks(args.measured) if args.measured else {}
 
+    layout = "sharded" if setting.sharded else "replicated"
+    checkpointing = "on" if setting.checkpointing else "off"
     title = (f"{shape.params / 1e9:.2f} B parameters ({shape.target_params / 1e9:.2f} B in targets); {setting.dtype}; "
-             f"{setting.batch}×{setting.seq} tokens per GPU; {setting.gpus} GPU(s), "
-             f"{'sharded' if setting.sharded else 'replicated'}; checkpointing {'on' if setting.checkpointing else 'off'}; "
-             f"rank {setting.rank}")  # fmt: skip
+             f"{setting.batch}×{setting.seq} tokens per GPU; {setting.gpus} GPU(s), {layout}; "
+             f"checkpointing {checkpointing}; rank {setting.rank}")  # fmt: skip
     components = list(dict.fromkeys(c for parts in predictions.values() for c in parts))
     table = Table(title=title, title_justify="left")
     table.add_column("GiB per GPU")
@@ -202,7 +203,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
         table.add_row(component, *(f"{predictions[m].get(component, 0) / GIB:.2f}" for m in METHODS))
     totals = {m: sum(parts.values()) for m, parts in predictions.items()}
     table.add_row("[bold]total[/]", *(f"[bold]{totals[m] / GIB:.2f}[/]" for m in METHODS))
-    table.add_row(f"fits {args.gpu_memory:g} GiB", *("yes" if totals[m] / GIB <= args.gpu_memory else "no" for m in METHODS))
+    fits = ("yes" if totals[m] / GIB <= args.gpu_memory else "no" for m in METHODS)
+    table.add_row(f"fits {args.gpu_memory:g} GiB", *fits)
     if measured:
         table.add_row("measured peak", *(f"{measured[m] / GIB:.2f}" if m in measured else "-" for m in METHODS))
         table.add_row("predicted / measured",
