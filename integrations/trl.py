@@ -54,14 +54,25 @@ class LoGRACallback(TrainerCallback):
         self.trainer = trainer
         self.mismatch_samples: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.pending: dict[str, list[float]] = {}
+        # Under DeepSpeed LoGRA runs beside the engine's optimizer (see attach_logra): built when
+        # training starts, once the engine has placed (and, with ZeRO-3, partitioned) the weights.
+        self.deepspeed_kwargs: dict[str, Any] | None = None
+        self.logra: LoGRAOptimizer | None = None
 
     @property
     def optimizer(self) -> LoGRAOptimizer | None:
+        if self.logra is not None:
+            return self.logra
         optimizer = self.trainer.optimizer
         # Accelerate wraps the optimizer; DeepSpeed keeps it as .optimizer of its own.
         while optimizer is not None and not isinstance(optimizer, LoGRAOptimizer):
             optimizer = getattr(optimizer, "optimizer", None)
         return optimizer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.deepspeed_kwargs is not None and self.logra is None:
+            self.logra = LoGRAOptimizer(_unwrap(self.trainer.model), non_target_optimizer="external",
+                                        **self.deepspeed_kwargs)  # fmt: skip
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         optimizer = self.optimizer
@@ -71,6 +82,8 @@ class LoGRACallback(TrainerCallback):
             mask = torch.cat([m.flatten() for _, _, m in self.mismatch_samples])
             optimizer.observe_mismatch(rollout, trainer_logps, mask)
         self.mismatch_samples.clear()
+        if self.logra is not None:  # DeepSpeed: the engine has stepped the non-targets; now the targets
+            self.logra.step()
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         optimizer = self.optimizer
@@ -134,18 +147,54 @@ def attach_logra(trainer: Trainer, *, target_modules=None, **optimizer_kwargs: A
         )
         trainer.args.max_grad_norm = 0.0
 
-    class LoGRAOptimizerFactory:
-        """transformers instantiates a non-Optimizer class and calls it with ``(model, **kwargs)``."""
-
-        def __call__(self, model, **kwargs):
-            return LoGRAOptimizer(_unwrap(model), **kwargs)
-
-    trainer.optimizer_cls_and_kwargs = (LoGRAOptimizerFactory, optimizer_kwargs)
     callback = LoGRACallback(trainer)
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        _attach_beside_deepspeed(trainer, callback, optimizer_kwargs)
+    else:
+
+        class LoGRAOptimizerFactory:
+            """transformers instantiates a non-Optimizer class and calls it with ``(model, **kwargs)``."""
+
+            def __call__(self, model, **kwargs):
+                return LoGRAOptimizer(_unwrap(model), **kwargs)
+
+        trainer.optimizer_cls_and_kwargs = (LoGRAOptimizerFactory, optimizer_kwargs)
     trainer.add_callback(callback)
     _feed_mismatch_from_batches(trainer, callback)
     _add_stats_to_logs(trainer, callback)
     return callback
+
+
+def _attach_beside_deepspeed(trainer: Trainer, callback: LoGRACallback, optimizer_kwargs: dict) -> None:
+    """DeepSpeed wraps the trainer's optimizer in its ZeRO optimizer, which only handles parameters
+    that require grad (none of LoGRA's targets do), and builds no training engine without them. So
+    the engine gets the optimizer of the trainable non-targets (``non_target_optimizer``), and LoGRA
+    runs beside it: built when training starts (after ZeRO-3 has partitioned the weights), stepped
+    once per optimizer step, after the engine's step, from the callback."""
+    non_target = optimizer_kwargs.pop("non_target_optimizer", None)
+    trainable = [name for name, p in trainer.model.named_parameters() if p.requires_grad]
+    if not trainable or not callable(non_target):
+        raise ValueError(
+            "attach_logra under DeepSpeed: the DeepSpeed engine needs an optimizer with at least one trainable "
+            "parameter, and LoGRA's targets are frozen. Unfreeze a small non-target (e.g. "
+            "model.model.norm.weight.requires_grad_(True)) after patch_model and pass "
+            "non_target_optimizer=lambda params: torch.optim.AdamW(params, lr=...) "
+            f"(trainable now: {trainable[:4] or 'none'})"
+        )
+    if optimizer_kwargs.get("realised_kl_check"):
+        raise ValueError(
+            "attach_logra under DeepSpeed: realised_kl_check is not supported (the engine updates the non-targets "
+            "before LoGRA's step, so the measured KL would include their update)"
+        )
+
+    class NonTargetOptimizerFactory:
+        """The optimizer DeepSpeed's engine wraps: the trainable non-targets only."""
+
+        def __call__(self, model, **kwargs):
+            return non_target([p for p in _unwrap(model).parameters() if p.requires_grad])
+
+    trainer.optimizer_cls_and_kwargs = (NonTargetOptimizerFactory, {})
+    callback.deepspeed_kwargs = optimizer_kwargs
 
 
 def _unwrap(model):

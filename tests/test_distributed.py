@@ -157,3 +157,24 @@ def test_guards_and_rank_summed_scalars(tmp_path):
         assert seen["probe_tokens"] == 35
         assert seen["q"] == pytest.approx(seen["q_reference"], rel=1e-9)
         assert seen["mismatch"] == pytest.approx(0.3 * (4 * 0.1 + 8 * 0.4) / 12, rel=1e-6)
+
+
+@deepspeed_available
+@pytest.mark.parametrize("stage", [2, 3])
+def test_grpo_trainer_with_deepspeed_zero(stage, tmp_path):
+    """TRL's GRPOTrainer under torchrun with DeepSpeed ZeRO-2 / ZeRO-3 (gloo, CPU), LoGRA attached
+    with attach_logra: every update is applied on both ranks identically (ZeRO-3: into the partitions,
+    gathered here), KL control runs (JVP under ZeRO-2, finite differences under ZeRO-3) and its
+    statistics reach the trainer's logs."""
+    result = torchrun("grpo_deepspeed.py", str(stage), str(tmp_path))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    first, second = torch.load(tmp_path / f"grpo-zero{stage}.pt", weights_only=False)
+    for seen in (first, second):
+        assert seen["update_index"] == 3
+        assert seen["zero3"] == (stage == 3)
+        assert seen["moved"] > 1e-4  # every target moved
+        assert len(seen["alphas"]) == 3 and all(0 < a < 10 for a in seen["alphas"])
+        assert all(q > 0 for q in seen["predicted_kl"])
+    assert first["alphas"] == second["alphas"]
+    for name, weight in first["weights"].items():
+        assert torch.equal(weight, second["weights"][name]), name
