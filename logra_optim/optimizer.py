@@ -413,6 +413,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         started = time.perf_counter()
+        # A forward outside backward (evaluation, generation) can leave FSDP2's root unsharded; the
+        # merge writes into the shards, which the next forward must gather again.
+        dp.reshard(self._fsdp2)
         sharded_sq = None
         if self._group is not None:
             finite, sharded_sq = self._synchronise()

@@ -1,0 +1,289 @@
+"""Distributed benchmark: what LoGRA's sketch reduction communicates, and its step time, on 2 ranks.
+
+Two data-parallel ranks (``torchrun --nproc_per_node 2``, gloo on this CPU machine, NCCL with
+``--device cuda``) train a Qwen2-architecture model built from a config (random fp32 weights, SDPA,
+nothing downloaded) on fixed random tokens, each rank its own half of the batch.
+
+Methods, under the same engine
+    ``adamw-targets``  AdamW (0.9/0.95) on exactly LoGRA's target matrices, everything else frozen.
+    ``logra``          ``LoGRAOptimizer(patch_model(model), rank=r)`` (RowAdam) at every ``--ranks``.
+    Both train the final norm too (AdamW): DDP refuses a model without a trainable parameter, and it
+    is the same 1 × hidden vector for both.
+
+Engines
+    ``ddp``    ``DistributedDataParallel``: dense gradients all-reduced in buckets by DDP's reducer.
+    ``fsdp2``  ``fully_shard`` on every decoder layer and the root: parameters all-gathered for
+               forward and backward (the same for both methods), dense gradients reduce-scattered.
+
+What is measured, and how
+    * Bytes: every collective LoGRA issues goes through ``torch.distributed.all_reduce`` /
+      ``all_gather``; the worker wraps those and records the bytes of the tensors passed, per step.
+      DDP's gradient buckets go through a communication hook that issues the default all-reduce via
+      ``torch.distributed.all_reduce``, so they are counted the same way. Under FSDP2 the parameter
+      all-gathers are identical for both methods and not counted; the dense gradient reduce-scatter
+      input (the trainable parameters' fp32 gradients) is computed from their sizes, marked
+      ``computed`` in the results. Bytes are what one rank hands to the collectives per step.
+    * Time: every configuration in a fresh pair of processes, ``--warmup`` steps, then ``--steps``
+      timed steps (forward, backward, optimizer step, zero_grad; a barrier before each, the slower
+      rank's time); median reported. This 2-core machine is shared with other jobs: the load average
+      at the start and end of the run is recorded with the results.
+
+``python benchmarks/bench_distributed.py --help`` lists the options; the defaults are the README's run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+METHODS = ("adamw-targets", "logra")
+ENGINES = ("ddp", "fsdp2")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    parser.add_argument("--ranks", nargs="+", type=int, default=[64, 256], help="LoGRA sketch ranks")
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--intermediate", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=8000)
+    parser.add_argument("--batch", type=int, default=2, help="sequences per rank")
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--markdown", help="write the results table here")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+# --------------------------------------------------------------------------------------------------
+# Worker: one configuration on one rank
+
+
+class ByteCounter:
+    """Records the bytes of tensors passed to ``torch.distributed`` collectives while active."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.dist, self.bytes, self.calls, self.active = dist, 0, 0, False
+        # Which positional argument is the tensor this rank contributes.
+        for name, position in (("all_reduce", 0), ("all_gather", 1), ("all_gather_into_tensor", 1),
+                               ("reduce_scatter_tensor", 1)):  # fmt: skip
+            setattr(dist, name, self._wrap(getattr(dist, name), position))
+
+    def _wrap(self, original, position: int):
+        def counted(*args, **kwargs):
+            if self.active:
+                sent = args[position]
+                self.bytes += sent.numel() * sent.element_size()
+                self.calls += 1
+            return original(*args, **kwargs)
+
+        return counted
+
+
+def _ddp_python_allreduce_hook(state, bucket):
+    """DDP's default bucket all-reduce, issued through ``torch.distributed.all_reduce`` (so the
+    counter sees every gradient bucket) instead of from C++."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    return allreduce_hook(state, bucket)
+
+
+def build(args, method: str, rank_r: int | None, device):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from logra_optim import LoGRAOptimizer, find_target_modules, patch_model
+
+    config = Qwen2Config(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        max_position_embeddings=max(args.seq, 64), tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(device)
+    model.config._attn_implementation = "sdpa"
+    if method == "logra":
+        patch_model(model)
+    else:
+        targets = {id(m.weight) for _, m in find_target_modules(model)}
+        for p in model.parameters():
+            p.requires_grad_(id(p) in targets)
+    model.model.norm.weight.requires_grad_(True)
+    model.train()
+    return model, LoGRAOptimizer, config
+
+
+def worker(args) -> None:
+    import torch.distributed as dist
+
+    engine, method, rank_text = args.worker.split(":")
+    rank_r = int(rank_text) if rank_text else None
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else "cpu"
+    if args.device == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // dist.get_world_size()))
+    counter = ByteCounter()
+    model, LoGRAOptimizer, _ = build(args, method, rank_r, device)
+    adamw = lambda params: torch.optim.AdamW(params, lr=1e-6, betas=(0.9, 0.95))  # noqa: E731
+    computed_gradient_bytes = 0
+    if engine == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(model)
+        wrapped.register_comm_hook(None, _ddp_python_allreduce_hook)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        wrapped = fully_shard(model)
+        computed_gradient_bytes = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    if method == "logra":
+        opt = LoGRAOptimizer(model, rank=rank_r, non_target_optimizer=adamw)
+    else:
+        opt = adamw([p for p in model.parameters() if p.requires_grad])
+    generator = torch.Generator().manual_seed(1 + dist.get_rank())
+    input_ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator).to(device)
+
+    def step():
+        loss = wrapped(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    times, per_step_bytes = [], []
+    for index in range(args.warmup + args.steps):
+        dist.barrier()
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        counter.bytes = counter.calls = 0
+        counter.active = index >= args.warmup
+        started = time.perf_counter()
+        step()
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+        counter.active = False
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if index >= args.warmup:
+            times.append(float(elapsed))
+            per_step_bytes.append(counter.bytes)
+    if dist.get_rank() == 0:
+        sketch_bytes = sum(b.numel() * b.element_size() for b in opt.sketch_buffers()) if method == "logra" else 0
+        print(json.dumps({
+            "engine": engine, "method": method, "rank": rank_r,
+            "step_seconds": statistics.median(times), "step_seconds_all": times,
+            "measured_bytes_per_step": statistics.median(per_step_bytes),
+            "computed_dense_gradient_bytes": computed_gradient_bytes,
+            "sketch_buffer_bytes": sketch_bytes,
+            "target_params": sum(m.weight.numel() for m in _targets(model)),
+        }))  # fmt: skip
+    dist.destroy_process_group()
+
+
+def _targets(model):
+    from logra_optim import find_target_modules
+
+    return [m for _, m in find_target_modules(model)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Driver
+
+
+def run_configuration(args, engine: str, method: str, rank_r: int | None) -> dict:
+    forwarded = []
+    for name in ("hidden", "layers", "intermediate", "heads", "kv_heads", "vocab", "batch", "seq", "warmup", "steps"):
+        forwarded += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
+               "--worker", f"{engine}:{method}:{rank_r or ''}", "--device", args.device, *forwarded]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        raise RuntimeError(f"{engine}/{method}/{rank_r} failed:\n{result.stderr[-4000:]}")
+    line = [line for line in result.stdout.splitlines() if line.startswith("{")][-1]
+    return json.loads(line)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return
+    load_before = os.getloadavg()
+    rows = []
+    for engine in args.engines:
+        configurations = [("adamw-targets", None)] + [("logra", r) for r in args.ranks]
+        for method, rank_r in configurations:
+            row = run_configuration(args, engine, method, rank_r)
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "step_seconds_all"}), flush=True)
+    for row in rows:
+        dense = next(r for r in rows if r["engine"] == row["engine"] and r["method"] == "adamw-targets")
+        dense_bytes = (
+            dense["measured_bytes_per_step"] if row["engine"] == "ddp" else dense["computed_dense_gradient_bytes"]
+        )
+        own_bytes = row["measured_bytes_per_step"]
+        if row["engine"] == "fsdp2" and row["method"] == "adamw-targets":
+            own_bytes = row["computed_dense_gradient_bytes"]
+        elif row["engine"] == "fsdp2":
+            own_bytes += row["computed_dense_gradient_bytes"]  # the norm's reduce-scatter
+        row["gradient_bytes_per_step"] = own_bytes
+        row["bytes_vs_dense"] = own_bytes / dense_bytes
+        row["time_vs_dense"] = row["step_seconds"] / dense["step_seconds"]
+    results = {
+        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "markdown", "worker")},
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+        },  # fmt: skip
+        "rows": rows,
+    }
+    table = markdown(rows)
+    print(table)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(results, handle, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as handle:
+            handle.write(table + "\n")
+
+
+def markdown(rows) -> str:
+    lines = [
+        "| engine | method | gradient-reduction MB / step | vs dense | sketch / dense targets | step s "
+        "| time vs dense |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        name = "AdamW (targets)" if row["method"] == "adamw-targets" else f"LoGRA r={row['rank']}"
+        source = " (computed)" if row["engine"] == "fsdp2" and row["method"] == "adamw-targets" else ""
+        ratio = "" if row["method"] != "logra" else f"{row['sketch_buffer_bytes'] / (4 * row['target_params']):.3f}"
+        lines.append(
+            f"| {row['engine']} | {name} | {row['gradient_bytes_per_step'] / 2**20:.2f}{source} | "
+            f"{row['bytes_vs_dense']:.3f}× | {ratio} | {row['step_seconds']:.2f} | {row['time_vs_dense']:.2f}× |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
