@@ -157,6 +157,11 @@ def test_guards_and_rank_summed_scalars(tmp_path):
         assert seen["probe_tokens"] == 35
         assert seen["q"] == pytest.approx(seen["q_reference"], rel=1e-9)
         assert seen["mismatch"] == pytest.approx(0.3 * (4 * 0.1 + 8 * 0.4) / 12, rel=1e-6)
+        # Not one collective per layer: one flat all-reduce (one buffer: all on one device), one
+        # all-gather of scalars, and with KL control one all-reduce of the probe's sums.
+        assert seen["sketch_buffers_plain"] == 1
+        assert seen["collectives_plain"] == {"all_reduce": 1, "all_gather": 1}
+        assert seen["collectives_kl"] == {"all_reduce": 2, "all_gather": 1}
 
 
 @deepspeed_available

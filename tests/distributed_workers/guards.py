@@ -114,6 +114,26 @@ def main() -> None:
     ref.step()
     results["q_reference"] = ref.stats["predicted_kl"]
 
+    # Collectives per step: one all-reduce of the flat sketch buffer and one all-gather of the
+    # scalars; KL control adds one all-reduce of (Σq, tokens). Counted by wrapping torch.distributed.
+    counts = {}
+    for name in ("all_reduce", "all_gather", "all_gather_object", "broadcast", "reduce_scatter_tensor"):
+        original = getattr(dist, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, counted)
+    for config, kwargs in (("plain", {}), ("kl", {"kl_budget": 1e-3})):
+        model = frozen_model()
+        opt = LoGRAOptimizer(model, rank=4, update_ratio=1e-2, **kwargs)
+        model(**BATCH).loss.backward()
+        counts.clear()
+        opt.step()
+        results[f"collectives_{config}"] = dict(counts)
+        results[f"sketch_buffers_{config}"] = len(opt.sketch_buffers())
+
     everyone = [None] * 2
     dist.all_gather_object(everyone, results)
     if rank == 0:
