@@ -70,6 +70,12 @@ def _writable_dir(text: str) -> str:
     return str(path)
 
 
+def _device(text: str) -> str:
+    if text in ("auto", "cpu", "cuda") or (text.startswith("cuda:") and text[5:].isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="logra", description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -94,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="supervised steps before RL (default: 100, or 0 with --model)")  # fmt: skip
     demo.add_argument("--seeds", type=_int_list, default=[0], help="comma-separated; several give mean ± std")
     demo.add_argument("--methods", default="logra,adamw", help="comma-separated subset of logra,adamw")
-    demo.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    demo.add_argument("--device", type=_device, default="auto", help="auto, cpu, cuda or cuda:N")
     demo.add_argument("--output", type=_writable_dir, default="logra-demo", help="directory for plots and results")
     demo.add_argument("--quick", action="store_true", help="a 2-minute run: fewer steps, smaller batches")
 
@@ -104,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_arguments(commands.add_parser(
         "bench", help="peak memory and step time: dense AdamW, LoGRA, LoRA, GaLore, 8-bit AdamW",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    ), model_dir=_model_dir, writable_dir=_writable_dir, positive_int=_positive_int, int_list=_int_list)  # fmt: skip
+    ), model_dir=_model_dir, writable_dir=_writable_dir, positive_int=_positive_int, int_list=_int_list,
+       device=_device)  # fmt: skip
     add_plan_arguments(commands.add_parser(
         "plan", help="predicted per-GPU training memory from a config.json",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,

@@ -63,7 +63,7 @@ class Configuration:
         return self.method if self.method in ("adamw", "adamw8bit") else f"{self.method} r={self.rank}"
 
 
-def add_arguments(parser: argparse.ArgumentParser, *, model_dir, writable_dir, positive_int, int_list) -> None:
+def add_arguments(parser: argparse.ArgumentParser, *, model_dir, writable_dir, positive_int, int_list, device) -> None:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--preset", choices=sorted(PRESETS), default="qwen2.5-0.5b", help="a model shape")
     source.add_argument("--config", help="a config.json (or a directory holding one); random weights")
@@ -78,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, model_dir, writable_dir, p
     parser.add_argument("--runs", type=positive_int, default=3, help="timed steps per process")
     parser.add_argument("--rounds", type=positive_int, default=3, help="fresh processes per configuration")
     parser.add_argument("--threads", type=positive_int, help="torch threads per worker (default: torch's)")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--device", type=device, default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--output", type=writable_dir, default="logra-bench", help="directory for JSON, table, PNG")
 
 

@@ -34,7 +34,7 @@ from . import tasks
 from .measure import memory_baseline, peak_memory, resolve_device
 
 METHODS = ("logra", "adamw")
-LABELS = {"logra": "LoGRA (GRPO)", "adamw": "dense AdamW (GRPO)"}
+LABELS = {"logra": "LoGRA", "adamw": "dense AdamW"}
 SPECIAL_TOKENS = {"pad": "<pad>", "eos": "<eos>", "unk": "<unk>", "bos": "<bos>"}
 EVAL_PROBLEMS = 256
 
@@ -361,7 +361,7 @@ def table_rows(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
         return fmt.format(mean) + (f" ± {fmt.format(spread)}" if spread else "")
 
     adamw = next((r for r in rows if r["method"] == "adamw"), None)
-    headers = ["method", "reward before", "reward after", "exact before", "exact after", "peak MiB", "s / update"]
+    headers = ["method", "reward before", "reward after", "exact before", "exact after", "peak MiB", "s/update"]
     if adamw:
         headers += ["memory / AdamW", "time / AdamW"]
     cells = []
@@ -432,12 +432,13 @@ def run(settings: DemoSettings) -> dict:
     records = [launch_worker(settings, method, seed, console) for seed in settings.seeds for method in settings.methods]
     rows = summarize(records)
     headers, cells = table_rows(rows)
-    table = Table(title="GRPO from the same warm start (greedy evaluation on held-out problems)")
+    table = Table(title=f"GRPO, {settings.steps} updates from the same warm start; rewards: greedy answers to "
+                        f"{EVAL_PROBLEMS} held-out problems", title_justify="left")  # fmt: skip
     for i, header in enumerate(headers):
         table.add_column(header, justify="left" if i == 0 else "right")
     for row in cells:
         table.add_row(*row)
-    Console().print(table)
+    Console(width=max(Console().width, 120)).print(table)
     images = plot(records, rows, output)
     summary = {"settings": asdict(settings), "device": device, "rows": rows, "runs": records,
                "wall_seconds": time.perf_counter() - started}  # fmt: skip

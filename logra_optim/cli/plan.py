@@ -16,12 +16,14 @@ Mistral-style decoders: attention q/k/v/o and a gated MLP per layer), for a per-
   GPU (each rank sketches its own tokens, then they are averaged); activations: a target layer keeps
   ``x Aᵀ`` (``r`` wide) instead of its input ``x``.
 * **activations** per token and layer, in elements at the activation dtype (``H`` hidden, ``I``
-  intermediate, ``kv`` the k/v width): two RMSNorms keep ``2H`` each; attention keeps q, k, v and
-  its output (``2H + 2kv``, a fused kernel with no ``T × T`` scores); the linear layers' inputs
-  (``H`` for q/k/v, ``H`` for o, ``H`` for gate/up, ``I`` for down); the gated activation ``3I``.
-  With gradient checkpointing only each layer's input (``H``) plus one layer's full set stay.
-* **logits**: the LM head's output at the activation dtype, its fp32 upcast for the loss and the
-  fp32 gradient: ``(a + 8) V`` bytes per token.
+  intermediate, ``kv`` the k/v width): two RMSNorms keep ``2H`` each when their weights train, ``H``
+  when frozen; attention keeps q, k, v and its output (``2H + 2kv``, a fused kernel with no ``T × T``
+  scores); the linear layers' inputs (``H`` for q/k/v, ``H`` for o, ``H`` for gate/up, ``I`` for
+  down); the gated activation ``3I``. With gradient checkpointing only each layer's input (``H``)
+  plus one layer's full set stay. ``tests/test_cli.py`` checks these counts against the bytes
+  autograd actually saves (``saved_tensors_hooks``) for all three methods.
+* **logits**: the fp32 log-softmax the loss keeps and its fp32 gradient, plus the gradient at the
+  activation dtype when that is narrower: ``(8 + a) V`` bytes per token (``8 V`` in fp32).
 
 What the model leaves out: allocator fragmentation and CUDA context (≈0.5–1 GiB per GPU), the KL
 probe's forward (inference-mode, one layer at a time), communication buffers, and the rollout engine.
@@ -104,7 +106,9 @@ def _layer_activations(shape: Shape, method: str, rank: int) -> int:
     """Elements kept per token by one decoder layer for the backward pass (see the module docstring)."""
     h, i = shape.hidden, shape.intermediate
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    norms, attention, gated = 4 * h, 2 * q + 2 * kv, 3 * i
+    # An RMSNorm keeps its input; its normalised output too when its weight needs a gradient.
+    norms = 4 * h if method == "adamw" else 2 * h
+    attention, gated = 2 * q + 2 * kv, 3 * i
     linear_inputs = h + q + h + i  # inputs of q/k/v (shared), o, gate/up (shared), down
     if method == "logra":
         return norms + attention + gated + 7 * rank  # each target keeps x Aᵀ instead of x
@@ -142,7 +146,7 @@ def breakdown(shape: Shape, method: str, setting: Setting) -> dict[str, float]:
     else:
         kept = shape.layers * per_layer
     parts["activations"] = a * kept * setting.tokens
-    parts["logits"] = (a + 8) * shape.vocab * setting.tokens
+    parts["logits"] = (8 + (a if a < 4 else 0)) * shape.vocab * setting.tokens
     return parts
 
 

@@ -1,0 +1,291 @@
+"""The ``logra`` command: argument handling and bad input, a real ``--quick`` demo, ``bench`` on the
+tiny preset, and ``plan``'s memory model checked against real models: parameter and target counts,
+LoGRA's sketch buffers, peft's adapters, and the bytes autograd actually saves for backward."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from logra_optim.cli import main
+from logra_optim.cli import plan as plan_module
+from logra_optim.cli import tasks
+
+TINY_CONFIG = dict(hidden_size=64, intermediate_size=176, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                   vocab_size=300, num_hidden_layers=2, tie_word_embeddings=False)  # fmt: skip
+TARGET_NAMES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """The real command in a fresh process, as a user runs it."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "logra_optim.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, check=False)  # fmt: skip
+
+
+def usage_error(capsys, *argv: str) -> str:
+    """Run ``main`` on bad arguments: it must exit with status 2; returns its message."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(argv))
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------------
+# Arguments and bad input
+
+
+def test_help_lists_the_three_commands():
+    result = run_cli("--help")
+    assert result.returncode == 0
+    for command in ("demo", "bench", "plan"):
+        assert command in result.stdout
+
+
+@pytest.mark.parametrize("rank", ["0", "-3", "abc", "1.5"])
+def test_invalid_rank_is_refused(capsys, rank, tmp_path):
+    message = usage_error(capsys, "demo", "--rank", rank, "--output", str(tmp_path))
+    assert "--rank" in message and "positive integer" in message
+
+
+def test_missing_model_path_is_refused(capsys, tmp_path):
+    message = usage_error(capsys, "demo", "--model", str(tmp_path / "nowhere"), "--output", str(tmp_path))
+    assert "--model" in message and "no such directory" in message
+
+
+def test_model_dir_without_config_is_refused(capsys, tmp_path):
+    message = usage_error(capsys, "bench", "--model", str(tmp_path), "--output", str(tmp_path))
+    assert "no config.json" in message
+
+
+def test_unwritable_output_dir_is_refused(capsys, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    message = usage_error(capsys, "demo", "--output", str(blocker / "out"))
+    assert "--output" in message and "cannot write there" in message
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["demo", "--kl-budget", "-1"], "--kl-budget"),
+        (["demo", "--kl-budget", "nan"], "--kl-budget"),
+        (["demo", "--device", "gpu"], "--device"),
+        (["demo", "--task", "chess"], "--task"),
+        (["demo", "--methods", "logra,sgd"], "--methods"),
+        (["demo", "--seeds", "1,x"], "--seeds"),
+        (["bench", "--methods", "adam"], "--methods"),
+        (["bench", "--preset", "llama-70b"], "--preset"),
+        (["plan"], "config"),
+    ],
+)
+def test_bad_options_name_the_option(capsys, tmp_path, argv, expected):
+    if argv[0] != "plan":
+        argv = [*argv, "--output", str(tmp_path)]
+    assert expected in usage_error(capsys, *argv)
+
+
+def test_cuda_on_a_machine_without_one_is_a_clear_error(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert main(["demo", "--device", "cuda", "--output", str(tmp_path)]) == 1
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------------
+# Tasks
+
+
+@pytest.mark.parametrize("task", sorted(tasks.TASKS))
+@pytest.mark.parametrize("style", ["spaced", "text"])
+def test_task_answers_score_one_and_wrong_answers_less(task, style):
+    for problem in tasks.make_problems(task, 50, digits=2, style=style, seed=3):
+        assert tasks.score(problem.answer, problem.answer) == 1.0
+        assert len("".join(problem.answer.split())) <= tasks.answer_length(task, 2)
+        assert tasks.score(problem.answer + " 9", problem.answer) < 1.0
+    assert tasks.score("", "12") == 0.0
+    assert tasks.score("1 3", "1 2") == 0.5
+    assert tasks.reward(["4 2", "4"], answer=["4 2", "4 2"]) == [1.0, 0.5]
+
+
+def test_addition_answers_are_the_sums():
+    for problem in tasks.make_problems("addition", 100, digits=3, style="text", seed=0):
+        left, right = problem.prompt.rstrip("=").split("+")
+        assert int(problem.answer) == int(left) + int(right)
+
+
+# --------------------------------------------------------------------------------------------------
+# The demo and the benchmark, for real
+
+
+def test_quick_demo_learns_and_reports(tmp_path):
+    """The README's first command in its 2-minute form: both methods train from one warm start,
+    LoGRA improves the held-out reward about as much as dense AdamW, and table, JSON and plots exist."""
+    result = run_cli("demo", "--quick", "--output", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "LoGRA" in result.stdout and "dense AdamW" in result.stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    runs = {run["method"]: run for run in summary["runs"]}
+    assert set(runs) == {"logra", "adamw"}
+    for run in runs.values():
+        assert len(run["train_rewards"]) == 60
+        assert run["peak_bytes"] > 0 and run["seconds_per_update"] > 0
+        assert 0.0 <= run["before"]["reward"] <= 1.0 and 0.0 <= run["after"]["reward"] <= 1.0
+    # Same warm start, so the same starting point; the run learns; and keeps up with dense AdamW.
+    assert runs["logra"]["before"] == runs["adamw"]["before"]
+    assert runs["logra"]["after"]["reward"] > runs["logra"]["before"]["reward"] + 0.1
+    assert runs["logra"]["after"]["reward"] > runs["adamw"]["after"]["reward"] - 0.1
+    assert runs["logra"]["logra_stats"]["logra/alpha"], "LoGRA's stats reach the training logs"
+    for image in ("reward.png", "memory.png"):
+        assert (tmp_path / image).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_bench_on_the_tiny_preset(tmp_path):
+    methods = "adamw,lora,galore,logra-sgd,logra-rowadam"
+    result = run_cli("bench", "--preset", "tiny", "--rank", "8", "--ranks", "4", "--methods", methods, "--rounds", "1",
+                     "--runs", "1", "--seq", "64", "--threads", "1", "--output", str(tmp_path))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads((tmp_path / "bench.json").read_text())
+    labels = [r["label"] for r in data["results"]]
+    assert labels == ["adamw", "lora r=8", "galore r=8", "logra-sgd r=8", "logra-rowadam r=4", "logra-rowadam r=8"]
+    by_label = {r["label"]: r for r in data["results"]}
+    for r in data["results"]:
+        assert r["peak_bytes"] > 0 and r["step_s"] > 0
+    # What each method trains: all parameters, the adapters, or LoGRA's target matrices.
+    model = build_tiny_model(bench_preset("tiny"))
+    assert by_label["adamw"]["trained_params"] == sum(p.numel() for p in model.parameters())
+    targets = plan_module.Shape.from_config(bench_preset("tiny")).target_params
+    assert by_label["logra-sgd r=8"]["trained_params"] == targets
+    assert "| adamw |" in (tmp_path / "bench.md").read_text()
+    assert (tmp_path / "bench.png").read_bytes()[:8] == PNG_MAGIC
+
+    config = write_config(tmp_path / "model", bench_preset("tiny"))
+    plan = run_cli("plan", str(config), "--dtype", "fp32", "--batch", "2", "--seq", "64", "--rank", "8",
+                   "--no-checkpointing", "--measured", str(tmp_path / "bench.json"))  # fmt: skip
+    assert plan.returncode == 0, plan.stderr
+    assert "measured peak" in plan.stdout and "predicted / measured" in plan.stdout
+
+
+# --------------------------------------------------------------------------------------------------
+# plan's memory model against real models
+
+
+def bench_preset(name: str) -> dict:
+    from logra_optim.cli.bench import PRESETS
+
+    return dict(PRESETS[name])
+
+
+def build_tiny_model(config: dict, **extra):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(**config, use_cache=False, attn_implementation="sdpa", **extra)).train()
+
+
+def write_config(directory, config: dict):
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+SHAPES = [
+    TINY_CONFIG,
+    dict(hidden_size=128, intermediate_size=352, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+         vocab_size=500, num_hidden_layers=3, tie_word_embeddings=True),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("config", SHAPES)
+def test_parameter_and_target_counts_match_the_real_model(config):
+    from logra_optim import find_target_modules
+
+    model = build_tiny_model(config)
+    shape = plan_module.Shape.from_config(config)
+    assert shape.params == sum(p.numel() for p in model.parameters())
+    real_targets = [tuple(module.weight.shape) for _, module in find_target_modules(model)]
+    assert sorted(real_targets) == sorted(shape.targets() * shape.layers)
+
+
+@pytest.mark.parametrize("config", SHAPES)
+def test_logra_and_lora_state_match_the_real_optimizers(config):
+    from peft import LoraConfig, get_peft_model
+
+    from logra_optim import LoGRAOptimizer, patch_model
+
+    rank = 8
+    setting = plan_module.Setting(rank=rank, dtype="fp32", batch=1, seq=8)
+    shape = plan_module.Shape.from_config(config)
+    predicted = plan_module.breakdown(shape, "logra", setting)
+    optimizer = LoGRAOptimizer(patch_model(build_tiny_model(config)), rank=rank)
+    assert predicted["sketches"] == sum(buffer.numel() * buffer.element_size() for buffer in optimizer.sketch_buffers())
+
+    lora = get_peft_model(build_tiny_model(config), LoraConfig(r=rank, target_modules=TARGET_NAMES))
+    adapters = sum(p.numel() for p in lora.parameters() if p.requires_grad)
+    assert plan_module.breakdown(shape, "lora", setting)["adapters + gradients + moments"] == 16 * adapters
+
+
+def saved_activation_bytes(model, input_ids) -> int:
+    """Bytes autograd keeps for backward in one forward, excluding the parameters themselves, each
+    storage counted once (views of one tensor share it)."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(input_ids=input_ids, labels=input_ids)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("config", SHAPES)
+@pytest.mark.parametrize("method", plan_module.METHODS)
+def test_activation_model_matches_what_autograd_saves(config, method):
+    """The activation counts of ``plan`` (plus the fp32 log-softmax the loss keeps) are within 10%
+    of the bytes autograd really saves for dense training, LoRA and LoGRA."""
+    from peft import LoraConfig, get_peft_model
+
+    from logra_optim import LoGRAOptimizer, patch_model
+
+    rank, batch, seq = 8, 2, 48
+    model = build_tiny_model(config)
+    if method == "logra":
+        optimizer = LoGRAOptimizer(patch_model(model), rank=rank)  # noqa: F841  (a released optimizer unbinds)
+    elif method == "lora":
+        model = get_peft_model(model, LoraConfig(r=rank, target_modules=TARGET_NAMES))
+    input_ids = torch.randint(0, config["vocab_size"], (batch, seq))
+    measured = saved_activation_bytes(model, input_ids)
+    setting = plan_module.Setting(rank=rank, dtype="fp32", batch=batch, seq=seq, checkpointing=False)
+    predicted = plan_module.breakdown(plan_module.Shape.from_config(config), method, setting)
+    predicted_saved = predicted["activations"] + 4 * config["vocab_size"] * batch * seq
+    assert predicted_saved == pytest.approx(measured, rel=0.10)
+
+
+def test_plan_answers_the_27b_question(tmp_path):
+    """A 27B-class config on 4 sharded 80 GB GPUs: the table prints, and dense AdamW does not fit."""
+    config = dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
+                  num_key_value_heads=4, head_dim=256, vocab_size=248320)  # fmt: skip
+    result = run_cli("plan", str(write_config(tmp_path, config)), "--gpus", "4", "--rank", "256")
+    assert result.returncode == 0, result.stderr
+    fits = next(line for line in result.stdout.splitlines() if "fits 80 GiB" in line)
+    assert fits.split("│")[2].strip() == "no"  # dense AdamW
+
+
+def test_plan_bad_config_names_what_is_missing(tmp_path, capsys):
+    write_config(tmp_path, {"hidden_size": 64})
+    assert main(["plan", str(tmp_path)]) == 1
+    assert "intermediate_size" in capsys.readouterr().err
+    assert main(["plan", str(tmp_path / "missing")]) == 1
+    assert "no config.json" in capsys.readouterr().err
+    write_config(tmp_path, TINY_CONFIG)
+    assert "exceeds the smallest target dimension" in usage_error(capsys, "plan", str(tmp_path), "--rank", "500")
