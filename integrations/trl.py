@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import warnings
 from typing import Any
 
@@ -27,6 +28,8 @@ from transformers import Trainer, TrainerCallback
 from logra_optim import LoGRAOptimizer, patch_model, patched_modules
 
 __all__ = ["attach_logra", "LoGRACallback"]
+
+LOGRA_STATE_NAME = "logra_optimizer.pt"  # LoGRA's state in a checkpoint, under DeepSpeed
 
 # Optimizer statistics forwarded to the logs, and their names there.
 _LOGGED_STATS = {
@@ -58,6 +61,7 @@ class LoGRACallback(TrainerCallback):
         # training starts, once the engine has placed (and, with ZeRO-3, partitioned) the weights.
         self.deepspeed_kwargs: dict[str, Any] | None = None
         self.logra: LoGRAOptimizer | None = None
+        self.resume_state: str | None = None  # LoGRA's state file in the checkpoint being resumed
 
     @property
     def optimizer(self) -> LoGRAOptimizer | None:
@@ -73,6 +77,8 @@ class LoGRACallback(TrainerCallback):
         if self.deepspeed_kwargs is not None and self.logra is None:
             self.logra = LoGRAOptimizer(_unwrap(self.trainer.model), non_target_optimizer="external",
                                         **self.deepspeed_kwargs)  # fmt: skip
+            if self.resume_state is not None:
+                self.logra.load_state_dict(torch.load(self.resume_state, weights_only=True))
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         optimizer = self.optimizer
@@ -195,6 +201,28 @@ def _attach_beside_deepspeed(trainer: Trainer, callback: LoGRACallback, optimize
 
     trainer.optimizer_cls_and_kwargs = (NonTargetOptimizerFactory, {})
     callback.deepspeed_kwargs = optimizer_kwargs
+
+    # Checkpoints: DeepSpeed's hold the weights (ZeRO-3: the partitions) and the engine's optimizer;
+    # LoGRA's state (the same on every rank) goes beside them, and is loaded when training starts.
+    save, load = trainer._save_optimizer_and_scheduler, trainer._load_optimizer_and_scheduler
+
+    def save_with_logra(output_dir, *args, **kwargs):
+        result = save(output_dir, *args, **kwargs)
+        if callback.logra is not None and trainer.args.should_save:
+            torch.save(callback.logra.state_dict(), os.path.join(output_dir, LOGRA_STATE_NAME))
+        return result
+
+    def load_with_logra(checkpoint, *args, **kwargs):
+        result = load(checkpoint, *args, **kwargs)
+        if checkpoint is not None:
+            path = os.path.join(checkpoint, LOGRA_STATE_NAME)
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"attach_logra: resuming from {checkpoint}, which has no {LOGRA_STATE_NAME}")
+            callback.resume_state = path
+        return result
+
+    trainer._save_optimizer_and_scheduler = save_with_logra
+    trainer._load_optimizer_and_scheduler = load_with_logra
 
 
 def _unwrap(model):

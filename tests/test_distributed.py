@@ -169,8 +169,8 @@ def test_guards_and_rank_summed_scalars(tmp_path):
 def test_grpo_trainer_with_deepspeed_zero(stage, tmp_path):
     """TRL's GRPOTrainer under torchrun with DeepSpeed ZeRO-2 / ZeRO-3 (gloo, CPU), LoGRA attached
     with attach_logra: every update is applied on both ranks identically (ZeRO-3: into the partitions,
-    gathered here), KL control runs (JVP under ZeRO-2, finite differences under ZeRO-3) and its
-    statistics reach the trainer's logs."""
+    gathered here), KL control runs (JVP under ZeRO-2, finite differences under ZeRO-3), its
+    statistics reach the trainer's logs, and resuming from a checkpoint is bit-identical."""
     result = torchrun("grpo_deepspeed.py", str(stage), str(tmp_path))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     first, second = torch.load(tmp_path / f"grpo-zero{stage}.pt", weights_only=False)
@@ -183,3 +183,9 @@ def test_grpo_trainer_with_deepspeed_zero(stage, tmp_path):
     assert first["alphas"] == second["alphas"]
     for name, weight in first["weights"].items():
         assert torch.equal(weight, second["weights"][name]), name
+    # Checkpoint every 2 steps (DeepSpeed's checkpoint + LoGRA's state beside it); a fresh trainer
+    # resumed from checkpoint-2 ends bit-identical to the uninterrupted run, the trained norm included.
+    for seen in (first, second):
+        assert seen["resumed_update_index"] == 3
+        for name, weight in seen["weights"].items():
+            assert torch.equal(seen["resumed_weights"][name], weight), name

@@ -9,6 +9,7 @@ every attention/MLP matrix beside it. Rank 0 writes what the test checks.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
@@ -29,26 +30,33 @@ from logra_optim.integrations.trl import attach_logra  # noqa: E402
 STEPS = 3
 
 
-def main() -> None:
-    stage, out = int(sys.argv[1]), sys.argv[2]
-    PartialState(backend="gloo")
-    torch.set_num_threads(1)
+def deepspeed_config(stage: int) -> dict:
     zero = {"stage": stage}
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = 0  # really partition the tiny model
-    deepspeed = {
+    return {
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
     }
+
+
+def train(stage: int, output_dir: str, resume: str | None = None, **overrides):
+    """A GRPO run on the toy task; returns (trainer, LoGRA's callback, initial and final target weights)."""
+    from accelerate.state import AcceleratorState
+
+    # accelerate allows one DeepSpeed Accelerator per process: forget the previous run's (the
+    # process group and the gloo PartialState stay).
+    AcceleratorState._reset_state()
     model = patch_model(setup.build_policy())
     model.model.norm.weight.requires_grad_(True)
     initial = {canonical_name(n): m.weight.detach().clone() for n, m in patched_modules(model)}
     trainer = setup.build_trainer(
-        "grpo", model, os.path.join(out, f"grpo-zero{stage}"), use_cpu=False, deepspeed=deepspeed,
+        "grpo", model, output_dir, use_cpu=False, deepspeed=deepspeed_config(stage),
         accelerator_config={"use_configured_state": True}, per_device_train_batch_size=4, max_steps=STEPS,
+        **overrides,
     )  # fmt: skip
     kwargs = dict(setup.LOGRA_KWARGS, non_target_optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3))
     if stage == 3:
@@ -56,29 +64,40 @@ def main() -> None:
         # finite difference inside the quadratic regime.
         kwargs.update(probe="finite_difference", fd_epsilon=0.25)
     callback = attach_logra(trainer, **kwargs)
-    trainer.train()
-
-    optimizer = callback.optimizer
-    params = list(model.parameters())
+    trainer.train(resume_from_checkpoint=resume)
     if stage == 3:
         import deepspeed as ds
 
-        gather = ds.zero.GatheredParameters(params)
+        gather = ds.zero.GatheredParameters(list(model.parameters()))
     else:
-        import contextlib
-
         gather = contextlib.nullcontext()
     with gather:
         final = {canonical_name(n): m.weight.detach().clone() for n, m in patched_modules(model)}
+        final["model.norm.weight"] = model.model.norm.weight.detach().clone()
+    return trainer, callback, initial, final, model
+
+
+def main() -> None:
+    stage, out = int(sys.argv[1]), sys.argv[2]
+    PartialState(backend="gloo")
+    torch.set_num_threads(1)
+    trainer, callback, initial, final, model = train(stage, os.path.join(out, "uninterrupted"))
     logs = [entry for entry in trainer.state.log_history if "logra/alpha" in entry]
     seen = {
-        "update_index": optimizer.update_index,
-        "moved": min(float((final[n] - initial[n]).abs().max()) for n in final),
+        "update_index": callback.optimizer.update_index,
+        "moved": min(float((final[n] - initial[n]).abs().max()) for n in initial),
         "weights": final,
         "alphas": [entry["logra/alpha"] for entry in logs],
         "predicted_kl": [entry["logra/predicted_kl"] for entry in logs],
         "zero3": any(hasattr(m.weight, "ds_tensor") for _, m in patched_modules(model)),
     }
+    # Checkpoint every 2 steps; a fresh trainer resumes from checkpoint-2 and takes step 3.
+    checkpointed = os.path.join(out, "checkpointed")
+    train(stage, checkpointed, save_strategy="steps", save_steps=2)
+    _, resumed, _, resumed_final, _ = train(stage, os.path.join(out, "resumed"),
+                                            resume=os.path.join(checkpointed, "checkpoint-2"))  # fmt: skip
+    seen["resumed_weights"] = resumed_final
+    seen["resumed_update_index"] = resumed.optimizer.update_index
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, seen)
     if dist.get_rank() == 0:
