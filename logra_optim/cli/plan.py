@@ -22,8 +22,13 @@ Mistral-style decoders: attention q/k/v/o and a gated MLP per layer), for a per-
   down); the gated activation ``3I``. With gradient checkpointing only each layer's input (``H``)
   plus one layer's full set stay. ``tests/test_cli.py`` checks these counts against the bytes
   autograd actually saves (``saved_tensors_hooks``) for all three methods.
-* **logits**: the fp32 log-softmax the loss keeps and its fp32 gradient, plus the gradient at the
-  activation dtype when that is narrower: ``(8 + a) V`` bytes per token (``8 V`` in fp32).
+* **logits**: at the start of backward the logits (kept by the model's output), the fp32
+  log-softmax the loss saved, its gradient and the logits' gradient: ``(12 + a) V`` bytes per token.
+
+The peak is not the sum of everything: activations and logits are gone by the time the optimizer
+steps, and dense gradients are built up as they go. So ``peak = persistent + max(backward, step)``,
+where *persistent* is weights and optimizer/LoGRA state, *backward* is activations + logits, and
+*step* is dense gradients + the optimizer's temporaries.
 
 What the model leaves out: allocator fragmentation and CUDA context (≈0.5–1 GiB per GPU), the KL
 probe's forward (inference-mode, one layer at a time), communication buffers, and the rollout engine.
@@ -67,8 +72,10 @@ class Shape:
                 tied=bool(config.get("tie_word_embeddings", False)),
             )  # fmt: skip
         except KeyError as missing:
-            raise ValueError(f"config has no {missing.args[0]!r}: logra plan models Llama/Qwen/Mistral-style "
-                             "decoders (hidden_size, intermediate_size, num_hidden_layers, …)") from None
+            raise ValueError(
+                f"config has no {missing.args[0]!r}: logra plan models Llama/Qwen/Mistral-style "
+                "decoders (hidden_size, intermediate_size, num_hidden_layers, …)"
+            ) from None
 
     def targets(self) -> list[tuple[int, int]]:
         """(out d, in k) of one layer's LoGRA targets: q, k, v, o, gate, up, down."""
@@ -146,19 +153,36 @@ def breakdown(shape: Shape, method: str, setting: Setting) -> dict[str, float]:
     else:
         kept = shape.layers * per_layer
     parts["activations"] = a * kept * setting.tokens
-    parts["logits"] = (8 + (a if a < 4 else 0)) * shape.vocab * setting.tokens
+    parts["logits"] = (12 + a) * shape.vocab * setting.tokens
     return parts
 
 
+# Which phase of a step holds each component (see the module docstring).
+BACKWARD_PHASE = ("activations", "logits")
+STEP_PHASE = ("gradients", "optimizer step temporaries")
+
+
+def peak(parts: dict[str, float]) -> float:
+    """``persistent + max(backward, step)`` bytes."""
+    backward = sum(parts.get(name, 0) for name in BACKWARD_PHASE)
+    step = sum(parts.get(name, 0) for name in STEP_PHASE)
+    persistent = sum(value for name, value in parts.items() if name not in BACKWARD_PHASE + STEP_PHASE)
+    return persistent + max(backward, step)
+
+
 def add_arguments(parser: argparse.ArgumentParser, *, positive_int) -> None:
-    parser.add_argument("config", help="a config.json, or a directory holding one")
+    parser.add_argument("config", help="a config.json, a directory holding one, or a `logra bench` preset name")
     parser.add_argument("--rank", type=positive_int, default=256)
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="weights and activations")
     parser.add_argument("--batch", type=positive_int, default=1, help="sequences per GPU per micro-batch")
     parser.add_argument("--seq", type=positive_int, default=4096, help="tokens per sequence")
     parser.add_argument("--gpus", type=positive_int, default=1, help="data-parallel GPUs")
-    parser.add_argument("--replicated", action="store_true", help="DDP: every GPU holds everything (default: "
-                        "FSDP full shard / ZeRO-3 shard weights, gradients and optimizer state over --gpus)")
+    parser.add_argument(
+        "--replicated",
+        action="store_true",
+        help="DDP: every GPU holds everything (default: "
+        "FSDP full shard / ZeRO-3 shard weights, gradients and optimizer state over --gpus)",
+    )
     parser.add_argument("--no-checkpointing", action="store_true", help="keep every layer's activations")
     parser.add_argument("--layers", type=positive_int, help="override the config's layer count")
     parser.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU, for the 'fits' column")
@@ -166,11 +190,15 @@ def add_arguments(parser: argparse.ArgumentParser, *, positive_int) -> None:
 
 
 def read_config(path: str) -> dict:
+    from .bench import PRESETS
+
+    if path in PRESETS and not Path(path).exists():
+        return dict(PRESETS[path])
     file = Path(path)
     if file.is_dir():
         file = file / "config.json"
     if not file.is_file():
-        raise ValueError(f"{path}: no config.json there")
+        raise ValueError(f"{path}: no config.json there (nor a preset: {', '.join(sorted(PRESETS))})")
     try:
         return json.loads(file.read_text())
     except json.JSONDecodeError as error:
@@ -199,14 +227,19 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
              f"{setting.batch}×{setting.seq} tokens per GPU; {setting.gpus} GPU(s), {layout}; "
              f"checkpointing {checkpointing}; rank {setting.rank}")  # fmt: skip
     components = list(dict.fromkeys(c for parts in predictions.values() for c in parts))
+    phase = {**dict.fromkeys(BACKWARD_PHASE, " (backward)"), **dict.fromkeys(STEP_PHASE, " (step)")}
+    components.sort(key=lambda c: (c in BACKWARD_PHASE, c in STEP_PHASE))
     table = Table(title=title, title_justify="left")
     table.add_column("GiB per GPU")
     for method in METHODS:
         table.add_column(method, justify="right")
     for component in components:
-        table.add_row(component, *(f"{predictions[m].get(component, 0) / GIB:.2f}" for m in METHODS))
-    totals = {m: sum(parts.values()) for m, parts in predictions.items()}
-    table.add_row("[bold]total[/]", *(f"[bold]{totals[m] / GIB:.2f}[/]" for m in METHODS))
+        table.add_row(component + phase.get(component, ""),
+                      *(f"{predictions[m].get(component, 0) / GIB:.2f}" for m in METHODS))  # fmt: skip
+    totals = {m: peak(parts) for m, parts in predictions.items()}
+    table.add_row(
+        "[bold]peak[/] = rest + max(backward, step)", *(f"[bold]{totals[m] / GIB:.2f}[/]" for m in METHODS)
+    )
     fits = ("yes" if totals[m] / GIB <= args.gpu_memory else "no" for m in METHODS)
     table.add_row(f"fits {args.gpu_memory:g} GiB", *fits)
     if measured:
