@@ -301,12 +301,12 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         dp.average_(self._bank.flat_buffers(), self._group)
         partials = []
         for group in self.param_groups:
-            parts = [
-                dp.local_sq_norm(w, self._layouts[self._index_of[id(w)]]) / self._layouts[self._index_of[id(w)]].holders
-                for w in group["params"]
-                if self._layouts[self._index_of[id(w)]].holders > 0
-            ]
-            partials.append(_total(parts) if group["lr_mode"] == "update_ratio" else 0.0)
+            parts = []
+            for weight in group["params"]:
+                layout = self._layouts[self._index_of[id(weight)]]
+                if group["lr_mode"] == "update_ratio" and layout.holders > 0:  # a sharded weight
+                    parts.append(dp.local_sq_norm(weight, layout) / layout.holders)
+            partials.append(_total(parts))
         local_finite = self._local_all_finite()
         gathered = dp.gather_([self._fingerprint(), 0.0 if local_finite else 1.0, *partials], self._group,
                               self._collective_device)  # fmt: skip
@@ -467,6 +467,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             for module, _, _, new_state in entries:
                 self.state[module.weight].update(new_state)
         self.update_index += 1
+        self._merged_factors.clear()
         if self.refresh:
             self._regenerate_projections()
         self._bank.zero_()
@@ -591,11 +592,12 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                     )
                 options = dict(stochastic_rounding=self.stochastic_rounding, generator=generator)
                 self._merged_factors[index] = factor
-                if layout.kind == dp.FLAT:
+                gathered = self._gathered_copy(index)
+                if gathered is not None:  # ZeRO-3 holds it whole too: update that, the partition is its slice
+                    merge_low_rank_(gathered, factor, target.projection, **options)
+                    local.copy_(gathered.view(-1)[layout.start : layout.stop])
+                elif layout.kind == dp.FLAT:
                     dp.merge_flat_partition_(local, layout.start, factor, target.projection, **options)
-                    gathered = self._gathered_copy(index)
-                    if gathered is not None:
-                        merge_low_rank_(gathered, factor, target.projection, **options)
                 elif layout.kind == dp.ROWS:
                     merge_low_rank_(local, factor[layout.start : layout.stop], target.projection, **options)
                 else:
@@ -656,6 +658,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             else:  # gathered by DeepSpeed since the backup, from the merged partitions: undo the merge
                 factor = self._merged_factors[index]
                 merge_low_rank_(gathered, -factor, self._targets[index].projection, stochastic_rounding=False)
+                layout = self._layouts[index]
+                gathered.view(-1)[layout.start : layout.stop] = local  # this rank's part exactly
 
     def _skip(self, why: str, reason: str) -> None:
         warnings.warn(f"LoGRA: {why}; update skipped, weights and optimizer state unchanged",
