@@ -69,6 +69,12 @@ def test_two_ranks_on_half_batches_equal_one_process_on_the_full_batch(mode, tmp
         if "kl_budget" in CONFIGS[config]:
             assert any(alpha != 1.0 for alpha in got["alphas"])  # KL control chose the steps
 
+    if mode == "fsdp2":  # every target in the root's FSDP2 group, which stays unsharded after forwards
+        want, got = _reference("kl-check", mode), results["kl-check-root-only"]
+        for name, weight in want["weights"].items():
+            assert _relative_error(got["weights"][name], weight) < 1e-6, name
+        assert got["alphas"] == pytest.approx(want["alphas"], rel=1e-5)
+
     # Every rank holds the same weights (replicated engines: its own copy; sharded: gathered).
     first, second = results["per_rank"]
     for config in first:
@@ -110,6 +116,8 @@ def test_zero3_partitions_merge_to_the_dense_update(d, k, r, world, chunk_rows, 
         pieces.append(flat)
     want = weight - factor @ projection
     torch.testing.assert_close(torch.cat(pieces).reshape(d, k), want, rtol=1e-12, atol=1e-12)
+    # The partitions' partial sums of squares add up to ‖W‖² (what η's all-gather sums).
+    assert sum(float(p.square().sum()) for p in pieces) == pytest.approx(float(want.square().sum()), rel=1e-12)
 
 
 @given(d=st.integers(1, 12), k=st.integers(1, 6), r=st.integers(1, 3), world=st.integers(1, 5), seed=st.integers(0, 99))

@@ -51,7 +51,7 @@ def deepspeed_config(stage: int) -> dict:
 class Run:
     """One training setup: ``forward(batch) -> loss``, ``backward``, ``step``, ``weights``, ``save``/``load``."""
 
-    def __init__(self, mode: str, config: str):
+    def __init__(self, mode: str, config: str, root_only: bool = False):
         self.mode, self.config = mode, config
         self.model = build_model()
         kwargs = logra_kwargs(config, dist.get_world_size(), mode)
@@ -68,7 +68,9 @@ class Run:
         elif mode == "fsdp2":
             from torch.distributed.fsdp import fully_shard
 
-            for layer in self.model.model.layers:
+            # root_only: one FSDP2 group holding every target, which FSDP2 keeps unsharded after a
+            # forward (as it does for the root): the probe's forwards must not leave it stale.
+            for layer in [] if root_only else self.model.model.layers:
                 fully_shard(layer)
             self.wrapped = fully_shard(self.model)
         else:
@@ -161,6 +163,14 @@ def main() -> None:
             run.train_step(rank)
             alphas.append(run.opt.stats["alpha"])
         results[config] = {"weights": run.weights(), "alphas": alphas, "state": run.opt.state_dict()}
+        del run
+    if mode == "fsdp2":
+        run = Run(mode, "kl-check", root_only=True)
+        alphas = []
+        for _ in range(STEPS):
+            run.train_step(rank)
+            alphas.append(run.opt.stats["alpha"])
+        results["kl-check-root-only"] = {"weights": run.weights(), "alphas": alphas}
         del run
 
     # Checkpoint: two steps, save, a fresh setup resumes and takes the third.
