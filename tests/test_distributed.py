@@ -69,6 +69,8 @@ def test_two_ranks_on_half_batches_equal_one_process_on_the_full_batch(mode, tmp
         if "kl_budget" in CONFIGS[config]:
             assert any(alpha != 1.0 for alpha in got["alphas"])  # KL control chose the steps
 
+    if mode == "zero3":
+        assert "probe='finite_difference'" in results["jvp_error"]
     if mode == "fsdp2":  # every target in the root's FSDP2 group, which stays unsharded after forwards
         want, got = _reference("kl-check", mode), results["kl-check-root-only"]
         for name, weight in want["weights"].items():
@@ -197,3 +199,46 @@ def test_grpo_trainer_with_deepspeed_zero(stage, tmp_path):
         assert seen["resumed_update_index"] == 3
         for name, weight in seen["weights"].items():
             assert torch.equal(seen["resumed_weights"][name], weight), name
+
+
+# ---------------------------------------------------------------------------------------------------
+# Single process: the new options
+
+
+def test_single_process_options():
+    from tiny import TwoLinear
+
+    from logra_optim import LoGRAOptimizer, patch_model
+
+    with pytest.raises(RuntimeError, match="not initialised"):
+        LoGRAOptimizer(patch_model(TwoLinear(), target_modules=["up", "down"]), rank=2, process_group=object())
+    model = patch_model(TwoLinear(), target_modules=["up"])
+    with pytest.raises(ValueError, match="'external'"):
+        LoGRAOptimizer(model, rank=2, non_target_optimizer="adamw")
+    model.down.weight.requires_grad_(True)  # trained by someone else: accepted, not stepped by LoGRA
+    opt = LoGRAOptimizer(model, rank=2, non_target_optimizer="external", realised_kl_check=True, kl_budget=1e-3)
+    assert opt.non_target_optimizer is None
+
+
+def test_state_dict_lists_every_target_before_its_first_update():
+    """So that template-based loaders (DCP) find every entry; loading it changes nothing."""
+    from tiny import TwoLinear
+
+    from logra_optim import LoGRAOptimizer, patch_model
+
+    def run(load_fresh_state: bool) -> dict[str, torch.Tensor]:
+        model = patch_model(TwoLinear(), target_modules=["up", "down"])
+        opt = LoGRAOptimizer(model, rank=2, update_ratio=1e-2)
+        if load_fresh_state:
+            state = opt.state_dict()
+            assert set(state["state"]) == {0, 1}
+            assert all(float(entry["row_second_moment"].abs().sum()) == 0 for entry in state["state"].values())
+            opt.load_state_dict(state)
+        for _ in range(2):
+            model(torch.randn(5, 12, generator=torch.Generator().manual_seed(0))).square().sum().backward()
+            opt.step()
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    plain, loaded = run(False), run(True)
+    for name in plain:
+        assert torch.equal(plain[name], loaded[name]), name

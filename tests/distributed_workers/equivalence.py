@@ -164,6 +164,13 @@ def main() -> None:
             alphas.append(run.opt.stats["alpha"])
         results[config] = {"weights": run.weights(), "alphas": alphas, "state": run.opt.state_dict()}
         del run
+    if mode == "zero3":  # the JVP probe is refused clearly under ZeRO-3
+        run = Run(mode, "plain")
+        try:
+            LoGRAOptimizer(run.model, rank=4, kl_budget=1e-3, non_target_optimizer="external")
+        except ValueError as error:
+            results["jvp_error"] = str(error)
+        del run
     if mode == "fsdp2":
         run = Run(mode, "kl-check", root_only=True)
         alphas = []
@@ -187,7 +194,7 @@ def main() -> None:
 
     # Every rank's view, so the test can check that replicated copies agree bit for bit.
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, {k: v["weights"] for k, v in results.items()})
+    dist.all_gather_object(everyone, {k: v["weights"] for k, v in results.items() if isinstance(v, dict)})
     if rank == 0:
         results["per_rank"] = everyone
         torch.save(results, os.path.join(out, f"{mode}.pt"))
