@@ -219,7 +219,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
     setting = Setting(rank=args.rank, dtype=args.dtype, batch=args.batch, seq=args.seq, gpus=args.gpus,
                       sharded=not args.replicated, checkpointing=not args.no_checkpointing)  # fmt: skip
     predictions = {method: breakdown(shape, method, setting) for method in METHODS}
-    measured = _measured_peaks(args.measured) if args.measured else {}
+    measured = _measured_peaks(args.measured, args.rank) if args.measured else {}
 
     layout = "sharded" if setting.sharded else "replicated"
     checkpointing = "on" if setting.checkpointing else "off"
@@ -250,8 +250,17 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
     return {"shape": shape, "setting": setting, "predictions": predictions, "totals": totals, "measured": measured}
 
 
-def _measured_peaks(path: str) -> dict[str, int]:
-    """Peaks of a ``logra bench`` run by plan method: dense AdamW, LoRA, LoGRA (RowAdam, its rank)."""
-    results = json.loads(Path(path).read_text())["results"]
+def _measured_peaks(path: str, rank: int) -> dict[str, int]:
+    """Peaks of a ``logra bench`` run by plan method: dense AdamW, and LoRA and LoGRA (RowAdam) at
+    ``rank``."""
+    try:
+        results = json.loads(Path(path).read_text())["results"]
+    except (OSError, json.JSONDecodeError, KeyError) as error:
+        raise ValueError(f"--measured {path}: not a `logra bench` bench.json ({error})") from None
     chosen = {"adamw": "adamw", "lora": "lora", "logra": "logra-rowadam"}
-    return {plan: r["peak_bytes"] for plan, bench in chosen.items() for r in results if r["method"] == bench}
+    return {
+        plan: r["peak_bytes"]
+        for plan, bench in chosen.items()
+        for r in results
+        if r["method"] == bench and (bench == "adamw" or r["rank"] == rank)
+    }
