@@ -35,9 +35,9 @@ warnings.filterwarnings("ignore", category=UserWarning)
 torch.set_num_threads(1)
 
 
-def deepspeed_config(stage: int) -> dict:
+def deepspeed_config(stage: int, persistent: bool = False) -> dict:
     zero = {"stage": stage}
-    if stage == 3:
+    if stage == 3 and not persistent:
         zero["stage3_param_persistence_threshold"] = 0  # partition even the tiny model's weights
     return {
         "train_micro_batch_size_per_gpu": 2,
@@ -51,7 +51,7 @@ def deepspeed_config(stage: int) -> dict:
 class Run:
     """One training setup: ``forward(batch) -> loss``, ``backward``, ``step``, ``weights``, ``save``/``load``."""
 
-    def __init__(self, mode: str, config: str, root_only: bool = False):
+    def __init__(self, mode: str, config: str, root_only: bool = False, persistent: bool = False):
         self.mode, self.config = mode, config
         self.model = build_model()
         kwargs = logra_kwargs(config, dist.get_world_size(), mode)
@@ -77,7 +77,9 @@ class Run:
             import deepspeed
 
             self.engine, *_ = deepspeed.initialize(
-                model=self.model, optimizer=sgd([self.model.model.norm.weight]), config=deepspeed_config(int(mode[-1]))
+                model=self.model,
+                optimizer=sgd([self.model.model.norm.weight]),
+                config=deepspeed_config(int(mode[-1]), persistent),
             )
             self.wrapped = self.engine
         if external and self.engine is None:
@@ -163,6 +165,14 @@ def main() -> None:
             run.train_step(rank)
             alphas.append(run.opt.stats["alpha"])
         results[config] = {"weights": run.weights(), "alphas": alphas, "state": run.opt.state_dict()}
+        del run
+    if mode == "zero3":  # ZeRO-3's default: small parameters stay whole as well as partitioned
+        run = Run(mode, "kl-check", persistent=True)
+        alphas = []
+        for _ in range(STEPS):
+            run.train_step(rank)
+            alphas.append(run.opt.stats["alpha"])
+        results["kl-check-persistent"] = {"weights": run.weights(), "alphas": alphas}
         del run
     if mode == "zero3":  # the JVP probe is refused clearly under ZeRO-3
         run = Run(mode, "plain")
