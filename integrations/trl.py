@@ -12,6 +12,12 @@ about: the KL probe's temperature and contexts (recorded from the training forwa
 completion, probe positions = completion tokens; the probe runs a plain logits forward, not TRL's
 fused log-prob head), the rollout/trainer mismatch ``κ`` from GRPO's vLLM log-probs, and LoGRA's
 statistics in the trainer's logs (``logra/alpha``, ``logra/predicted_kl``, …).
+
+Under DeepSpeed the engine wraps the trainer's optimizer in its ZeRO optimizer, which handles only
+parameters that require grad (LoGRA's targets do not) and builds no engine without one: there the
+trainer's optimizer is the one of the trainable non-targets (``non_target_optimizer``), and LoGRA runs
+beside the engine, built when training starts and stepped from the callback; its state is saved as
+``logra_optimizer.pt`` in each checkpoint and restored on resume.
 """
 
 from __future__ import annotations

@@ -54,7 +54,8 @@ class WeightLayout:
 
     ``kind``: ``"replicated"`` (all of it), ``"rows"`` (rows ``[start, stop)``, FSDP2) or ``"flat"``
     (elements ``[start, stop)`` of the row-major flattening, DeepSpeed ZeRO-3). ``holders`` is how many
-    data-parallel ranks store the same elements (for a partial sum of squares to add up to ‖W‖²).
+    ranks store the same elements, so that partial sums of squares divided by it add up to ‖W‖² over
+    the world; 0 for a plain (replicated) tensor, whose norm every rank computes whole instead.
     """
 
     kind: str
@@ -101,7 +102,11 @@ def weight_layout(name: str, weight: torch.Tensor) -> WeightLayout:
             rank = dist.get_rank(group) if dist.is_initialized() else 0
         start = min(rank * partition, shape[0] * shape[1])
         stop = min(start + partition, shape[0] * shape[1])
-        return WeightLayout(FLAT, shape, start, stop, 1)
+        # Partitioned over ds_process_group; replicated across such groups (e.g. MiCS) otherwise.
+        holders = 1
+        if dist.is_initialized() and group is not None:
+            holders = max(1, dist.get_world_size() // dist.get_world_size(group))
+        return WeightLayout(FLAT, shape, start, stop, holders)
     if is_dtensor(weight):
         placements = tuple(weight.placements)
         holders = 1

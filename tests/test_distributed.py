@@ -4,8 +4,11 @@ For DDP, FSDP2 and DeepSpeed ZeRO-1/2/3, a 2-rank run on half batches must end, 
 steps, with the weights of one process on the full batch (fp32), with and without KL control and
 with the realised-KL check; a run resumed from the engine's own checkpoint (torch.save for DDP, DCP
 for FSDP2, DeepSpeed's checkpoints) must end bit-identical to an uninterrupted one. Each mode is one
-torchrun launch (several checks per launch: startup dominates). Property tests check the new math
-(ZeRO-3 partition merges, sharded norms) against dense float64 references.
+torchrun launch (several checks per launch: startup dominates). Also on real ranks: the consistency
+guard and the clear errors, the token-weighted probe and mismatch sums, the number of collectives
+per step, and TRL's GRPOTrainer under DDP and DeepSpeed ZeRO-2/3 (with checkpoint resume). Property
+tests check the new math (ZeRO-3 partition merges, row shards, sharded norms) against dense float64
+references.
 """
 
 from __future__ import annotations
