@@ -1,10 +1,11 @@
-"""Worker for tests/test_distributed.py: TRL's GRPOTrainer with DeepSpeed ZeRO-2 or ZeRO-3 on 2 ranks.
+"""Worker for tests/test_distributed.py: TRL's GRPOTrainer on 2 ranks, under DDP or DeepSpeed ZeRO-2/3.
 
-Run as ``torchrun --nproc_per_node 2 grpo_deepspeed.py STAGE OUT``. CPU workaround from
-ENVIRONMENT.md: ``ACCELERATE_USE_DEEPSPEED=true``, a gloo ``PartialState`` created before the config,
-``use_cpu=False`` and ``accelerator_config={"use_configured_state": True}``. The final norm is trained
-by the engine's optimizer (DeepSpeed builds no engine without a trainable parameter); LoGRA trains
-every attention/MLP matrix beside it. Rank 0 writes what the test checks.
+Run as ``torchrun --nproc_per_node 2 grpo_distributed.py ENGINE OUT`` with ENGINE ``ddp``, ``zero2`` or
+``zero3``. DDP: ``use_cpu=True`` under torchrun. DeepSpeed, with the CPU workaround of ENVIRONMENT.md:
+``ACCELERATE_USE_DEEPSPEED=true``, a gloo ``PartialState`` created before the config, ``use_cpu=False``
+and ``accelerator_config={"use_configured_state": True}``. The final norm is trained too (DDP and
+DeepSpeed refuse a model without a trainable parameter): by LoGRA's ``non_target_optimizer`` under
+DDP, by the engine's optimizer under DeepSpeed. Rank 0 writes what the test checks.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import sys
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+if sys.argv[1].startswith("zero"):
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 warnings.filterwarnings("ignore")
 
@@ -43,7 +45,7 @@ def deepspeed_config(stage: int) -> dict:
     }
 
 
-def train(stage: int, output_dir: str, resume: str | None = None, **overrides):
+def train(engine: str, output_dir: str, resume: str | None = None, **overrides):
     """A GRPO run on the toy task; returns (trainer, LoGRA's callback, initial and final target weights)."""
     from accelerate.state import AcceleratorState
 
@@ -53,19 +55,21 @@ def train(stage: int, output_dir: str, resume: str | None = None, **overrides):
     model = patch_model(setup.build_policy())
     model.model.norm.weight.requires_grad_(True)
     initial = {canonical_name(n): m.weight.detach().clone() for n, m in patched_modules(model)}
-    trainer = setup.build_trainer(
-        "grpo", model, output_dir, use_cpu=False, deepspeed=deepspeed_config(stage),
-        accelerator_config={"use_configured_state": True}, per_device_train_batch_size=4, max_steps=STEPS,
-        **overrides,
-    )  # fmt: skip
+    if engine == "ddp":
+        overrides.update(use_cpu=True)
+    else:
+        overrides.update(use_cpu=False, deepspeed=deepspeed_config(int(engine[-1])),
+                         accelerator_config={"use_configured_state": True})  # fmt: skip
+    trainer = setup.build_trainer("grpo", model, output_dir, per_device_train_batch_size=4, max_steps=STEPS,
+                                  **overrides)  # fmt: skip
     kwargs = dict(setup.LOGRA_KWARGS, non_target_optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3))
-    if stage == 3:
+    if engine == "zero3":
         # ZeRO-3's module hooks have no forward-mode AD rule; ε near the expected α keeps the
         # finite difference inside the quadratic regime.
         kwargs.update(probe="finite_difference", fd_epsilon=0.25)
     callback = attach_logra(trainer, **kwargs)
     trainer.train(resume_from_checkpoint=resume)
-    if stage == 3:
+    if engine == "zero3":
         import deepspeed as ds
 
         gather = ds.zero.GatheredParameters(list(model.parameters()))
@@ -78,10 +82,10 @@ def train(stage: int, output_dir: str, resume: str | None = None, **overrides):
 
 
 def main() -> None:
-    stage, out = int(sys.argv[1]), sys.argv[2]
+    engine, out = sys.argv[1], sys.argv[2]
     PartialState(backend="gloo")
     torch.set_num_threads(1)
-    trainer, callback, initial, final, model = train(stage, os.path.join(out, "uninterrupted"))
+    trainer, callback, initial, final, model = train(engine, os.path.join(out, "uninterrupted"))
     logs = [entry for entry in trainer.state.log_history if "logra/alpha" in entry]
     seen = {
         "update_index": callback.optimizer.update_index,
@@ -93,15 +97,15 @@ def main() -> None:
     }
     # Checkpoint every 2 steps; a fresh trainer resumes from checkpoint-2 and takes step 3.
     checkpointed = os.path.join(out, "checkpointed")
-    train(stage, checkpointed, save_strategy="steps", save_steps=2)
-    _, resumed, _, resumed_final, _ = train(stage, os.path.join(out, "resumed"),
+    train(engine, checkpointed, save_strategy="steps", save_steps=2)
+    _, resumed, _, resumed_final, _ = train(engine, os.path.join(out, "resumed"),
                                             resume=os.path.join(checkpointed, "checkpoint-2"))  # fmt: skip
     seen["resumed_weights"] = resumed_final
     seen["resumed_update_index"] = resumed.optimizer.update_index
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, seen)
     if dist.get_rank() == 0:
-        torch.save(everyone, os.path.join(out, f"grpo-zero{stage}.pt"))
+        torch.save(everyone, os.path.join(out, f"grpo-{engine}.pt"))
     dist.barrier()
 
 
