@@ -14,6 +14,8 @@ Engines
     ``ddp``    ``DistributedDataParallel``: dense gradients all-reduced in buckets by DDP's reducer.
     ``fsdp2``  ``fully_shard`` on every decoder layer and the root: parameters all-gathered for
                forward and backward (the same for both methods), dense gradients reduce-scattered.
+    ``zero2``, ``zero3`` (``--engines``, not in the default run)  DeepSpeed: the engine's optimizer
+               is AdamW on the targets (dense) or on the norm (LoGRA, stepped beside the engine).
 
 What is measured, and how
     * Bytes: every collective LoGRA issues goes through ``torch.distributed.all_reduce`` /
@@ -22,7 +24,8 @@ What is measured, and how
       ``torch.distributed.all_reduce``, so they are counted the same way. Under FSDP2 the parameter
       all-gathers are identical for both methods and not counted; the dense gradient reduce-scatter
       input (the trainable parameters' fp32 gradients) is computed from their sizes, marked
-      ``computed`` in the results. Bytes are what one rank hands to the collectives per step.
+      ``computed`` in the results; the same for DeepSpeed, whose ZeRO-3 reductions on the CPU do not
+      go through ``torch.distributed``. Bytes are what one rank hands to the collectives per step.
     * Time: every configuration in a fresh pair of processes, ``--warmup`` steps, then ``--steps``
       timed steps (forward, backward, optimizer step, zero_grad; a barrier before each, the slower
       rank's time); median reported. This 2-core machine is shared with other jobs: the load average
@@ -45,12 +48,12 @@ import time
 import torch
 
 METHODS = ("adamw-targets", "logra")
-ENGINES = ("ddp", "fsdp2")
+ENGINES = ("ddp", "fsdp2", "zero2", "zero3")
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    parser.add_argument("--engines", nargs="+", default=["ddp", "fsdp2"], choices=ENGINES)
     parser.add_argument("--ranks", nargs="+", type=int, default=[64, 256], help="LoGRA sketch ranks")
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--layers", type=int, default=4)
@@ -80,15 +83,16 @@ class ByteCounter:
         import torch.distributed as dist
 
         self.dist, self.bytes, self.calls, self.active = dist, 0, 0, False
-        # Which positional argument is the tensor this rank contributes.
-        for name, position in (("all_reduce", 0), ("all_gather", 1), ("all_gather_into_tensor", 1),
-                               ("reduce_scatter_tensor", 1)):  # fmt: skip
-            setattr(dist, name, self._wrap(getattr(dist, name), position))
+        # Which argument is the tensor this rank contributes (position, keyword).
+        for name, position, keyword in (("all_reduce", 0, "tensor"), ("all_gather", 1, "tensor"),
+                                        ("all_gather_into_tensor", 1, "input_tensor"),
+                                        ("reduce_scatter_tensor", 1, "input")):  # fmt: skip
+            setattr(dist, name, self._wrap(getattr(dist, name), position, keyword))
 
-    def _wrap(self, original, position: int):
+    def _wrap(self, original, position: int, keyword: str):
         def counted(*args, **kwargs):
             if self.active:
-                sent = args[position]
+                sent = args[position] if len(args) > position else kwargs[keyword]
                 self.bytes += sent.numel() * sent.element_size()
                 self.calls += 1
             return original(*args, **kwargs)
@@ -136,25 +140,44 @@ def worker(args) -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else "cpu"
     if args.device == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    if engine.startswith("zero"):
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
+    else:
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // dist.get_world_size()))
     counter = ByteCounter()
     model, LoGRAOptimizer, _ = build(args, method, rank_r, device)
     adamw = lambda params: torch.optim.AdamW(params, lr=1e-6, betas=(0.9, 0.95))  # noqa: E731
     computed_gradient_bytes = 0
+    target_params = sum(m.weight.numel() for m in _targets(model))  # before any engine shards them
     if engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         wrapped = DistributedDataParallel(model)
         wrapped.register_comm_hook(None, _ddp_python_allreduce_hook)
-    else:
+    elif engine == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
         for layer in model.model.layers:
             fully_shard(layer)
         wrapped = fully_shard(model)
         computed_gradient_bytes = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
-    if method == "logra":
+    engine_optimizer = None
+    if engine.startswith("zero"):
+        import deepspeed
+
+        # The engine wraps the optimizer of the trainable parameters: every target (dense) or the
+        # final norm (LoGRA, which updates the targets beside it).
+        config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+                  "zero_optimization": {"stage": int(engine[-1])}, "zero_allow_untested_optimizer": True,
+                  "steps_per_print": 10**9}  # fmt: skip
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        computed_gradient_bytes = sum(p.numel() * 4 for p in trainable)  # before ZeRO-3 partitions them
+        wrapped, engine_optimizer, *_ = deepspeed.initialize(model=model, optimizer=adamw(trainable), config=config)
+        opt = LoGRAOptimizer(model, rank=rank_r, non_target_optimizer="external") if method == "logra" else None
+    elif method == "logra":
         opt = LoGRAOptimizer(model, rank=rank_r, non_target_optimizer=adamw)
     else:
         opt = adamw([p for p in model.parameters() if p.requires_grad])
@@ -163,6 +186,13 @@ def worker(args) -> None:
 
     def step():
         loss = wrapped(input_ids=input_ids, labels=input_ids).loss
+        if engine_optimizer is not None:  # DeepSpeed
+            wrapped.backward(loss)
+            if opt is not None:
+                opt.step()
+                opt.zero_grad()
+            wrapped.step()
+            return
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -192,7 +222,7 @@ def worker(args) -> None:
             "measured_bytes_per_step": statistics.median(per_step_bytes),
             "computed_dense_gradient_bytes": computed_gradient_bytes,
             "sketch_buffer_bytes": sketch_bytes,
-            "target_params": sum(m.weight.numel() for m in _targets(model)),
+            "target_params": target_params,
         }))  # fmt: skip
     dist.destroy_process_group()
 
@@ -214,11 +244,15 @@ def run_configuration(args, engine: str, method: str, rank_r: int | None) -> dic
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
                "--worker", f"{engine}:{method}:{rank_r or ''}", "--device", args.device, *forwarded]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
-    result = subprocess.run(command, capture_output=True, text=True, env=env)
-    if result.returncode != 0:
-        raise RuntimeError(f"{engine}/{method}/{rank_r} failed:\n{result.stderr[-4000:]}")
+    for attempt in range(2):  # one retry: a DeepSpeed ZeRO-3 worker was once seen to abort on this machine
+        result = subprocess.run(command, capture_output=True, text=True, env=env)
+        if result.returncode == 0:
+            break
+        print(f"{engine}/{method}/{rank_r} failed (attempt {attempt + 1}):\n{result.stderr[-1500:]}", file=sys.stderr)
+    else:
+        raise RuntimeError(f"{engine}/{method}/{rank_r} failed twice")
     line = [line for line in result.stdout.splitlines() if line.startswith("{")][-1]
-    return json.loads(line)
+    return {**json.loads(line), "attempts": attempt + 1}
 
 
 def main(argv=None) -> None:
@@ -236,14 +270,14 @@ def main(argv=None) -> None:
             print(json.dumps({k: v for k, v in row.items() if k != "step_seconds_all"}), flush=True)
     for row in rows:
         dense = next(r for r in rows if r["engine"] == row["engine"] and r["method"] == "adamw-targets")
-        dense_bytes = (
-            dense["measured_bytes_per_step"] if row["engine"] == "ddp" else dense["computed_dense_gradient_bytes"]
-        )
-        own_bytes = row["measured_bytes_per_step"]
-        if row["engine"] == "fsdp2" and row["method"] == "adamw-targets":
+        measured = row["engine"] == "ddp"
+        dense_bytes = dense["measured_bytes_per_step"] if measured else dense["computed_dense_gradient_bytes"]
+        if measured:
+            own_bytes = row["measured_bytes_per_step"]
+        elif row["method"] == "adamw-targets":
             own_bytes = row["computed_dense_gradient_bytes"]
-        elif row["engine"] == "fsdp2":
-            own_bytes += row["computed_dense_gradient_bytes"]  # the norm's reduce-scatter
+        else:  # LoGRA's sketch all-reduce (measured) + the norm's gradient reduction (computed)
+            own_bytes = row["measured_bytes_per_step"] + row["computed_dense_gradient_bytes"]
         row["gradient_bytes_per_step"] = own_bytes
         row["bytes_vs_dense"] = own_bytes / dense_bytes
         row["time_vs_dense"] = row["step_seconds"] / dense["step_seconds"]
@@ -276,7 +310,7 @@ def markdown(rows) -> str:
     ]
     for row in rows:
         name = "AdamW (targets)" if row["method"] == "adamw-targets" else f"LoGRA r={row['rank']}"
-        source = " (computed)" if row["engine"] == "fsdp2" and row["method"] == "adamw-targets" else ""
+        source = " (computed)" if row["engine"] != "ddp" and row["method"] == "adamw-targets" else ""
         ratio = "" if row["method"] != "logra" else f"{row['sketch_buffer_bytes'] / (4 * row['target_params']):.3f}"
         lines.append(
             f"| {row['engine']} | {name} | {row['gradient_bytes_per_step'] / 2**20:.2f}{source} | "
