@@ -289,3 +289,21 @@ def test_plan_bad_config_names_what_is_missing(tmp_path, capsys):
     assert "no config.json" in capsys.readouterr().err
     write_config(tmp_path, TINY_CONFIG)
     assert "exceeds the smallest target dimension" in usage_error(capsys, "plan", str(tmp_path), "--rank", "500")
+
+
+def test_demo_with_a_local_model_path(tmp_path):
+    """``--model PATH``: any saved causal LM and its tokenizer (here the demo's tiny policy, saved
+    untrained), no warm start by default; LoGRA alone for a few updates."""
+    from logra_optim.cli.demo import build_tiny_policy, build_tokenizer
+
+    model_dir = tmp_path / "policy"
+    tokenizer = build_tokenizer()
+    build_tiny_policy(tokenizer, seed=0).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    result = run_cli("demo", "--model", str(model_dir), "--steps", "3", "--methods", "logra", "--rank", "8",
+                     "--output", str(tmp_path / "out"))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["settings"]["model"] == str(model_dir) and summary["settings"]["warm_start_steps"] == 0
+    assert [run["method"] for run in summary["runs"]] == ["logra"]
+    assert len(summary["runs"][0]["train_rewards"]) == 3

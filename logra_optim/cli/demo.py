@@ -63,7 +63,9 @@ class DemoSettings:
 
     @property
     def style(self) -> str:
-        return "text" if self.model else "spaced"
+        # One symbol per word for every tokenizer: the demo's word-level one needs it, and BPE
+        # tokenizers split "4 7 + 1 5 =" into the same digit tokens a model would see in prose.
+        return "spaced"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -287,7 +289,9 @@ class ProgressLine(_trainer_callback_base()):
 def prepare_warm_starts(settings: DemoSettings, device: str, console) -> None:
     """Build (or load) the policy and warm-start it once per seed; both methods start from it."""
     from rich.progress import Progress
+    from transformers.utils import logging as transformers_logging
 
+    transformers_logging.disable_progress_bar()  # save_pretrained's shard bar, under our own bars
     for seed in settings.seeds:
         target = Path(settings.output) / "warm_start" / f"seed{seed}"
         if settings.model:
@@ -424,6 +428,9 @@ def run(settings: DemoSettings) -> dict:
     console = Console(stderr=True)
     output = Path(settings.output)
     device = resolve_device(settings.device)
+    if device == "cpu":
+        # DeepSpeed, when installed, is imported by accelerate and warns that it found no GPU.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     started = time.perf_counter()
     source = settings.model or "a tiny Qwen2 built from a config (no download)"
     console.print(f"[bold]logra demo[/]: task {settings.task} ({settings.digits} digits), policy {source}, "

@@ -237,9 +237,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
         table.add_row(component + phase.get(component, ""),
                       *(f"{predictions[m].get(component, 0) / GIB:.2f}" for m in METHODS))  # fmt: skip
     totals = {m: peak(parts) for m, parts in predictions.items()}
-    table.add_row(
-        "[bold]peak[/] = rest + max(backward, step)", *(f"[bold]{totals[m] / GIB:.2f}[/]" for m in METHODS)
-    )
+    table.add_row("[bold]peak[/] = rest + max(backward, step)", *(f"[bold]{totals[m] / GIB:.2f}[/]" for m in METHODS))
     fits = ("yes" if totals[m] / GIB <= args.gpu_memory else "no" for m in METHODS)
     table.add_row(f"fits {args.gpu_memory:g} GiB", *fits)
     if measured:

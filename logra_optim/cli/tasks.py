@@ -2,8 +2,9 @@
 
 A task renders each problem in one of two styles. ``"spaced"`` puts a space between characters
 (``"4 7 + 1 5 ="`` → ``"6 2"``), which the demo's word-level tokenizer maps one character to one
-token; ``"text"`` is what a real model's tokenizer sees (``"47+15="`` → ``"62"``). The reward
-ignores spaces either way, so the same function scores both.
+token; ``"text"`` is the compact form (``"47+15="`` → ``"62"``). The demo uses ``"spaced"`` for
+every tokenizer (BPE tokenizers split it into single digits too); the reward ignores spaces, so the
+same function scores both.
 
 The reward gives partial credit per answer character, so a policy warm-started to the edge of the
 task gets a graded signal instead of mostly zeros: ``correct characters at their position /
