@@ -261,7 +261,8 @@ def run_worker(settings: DemoSettings, method: str, seed: int) -> dict:
         "seconds_per_update": seconds / settings.steps,
         "peak_bytes": peak_memory(device) - baseline,
         "device": device,
-        "trained_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        # What the optimizer updates (LoGRA's targets take no .grad, so requires_grad undercounts them).
+        "trained_params": sum(p.numel() for group in trainer.optimizer.param_groups for p in group["params"]),
     }
 
 
