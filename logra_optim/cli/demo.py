@@ -231,7 +231,7 @@ def run_worker(settings: DemoSettings, method: str, seed: int) -> dict:
     dataset = Dataset.from_dict({"prompt": [p.prompt for p in problems], "answer": [p.answer for p in problems]})
     trainer = GRPOTrainer(
         model=model, reward_funcs=tasks.reward, args=_grpo_config(settings, method, seed, device),
-        train_dataset=dataset, processing_class=tokenizer, callbacks=[ProgressLine(settings.steps, method, seed)],
+        train_dataset=dataset, processing_class=tokenizer, callbacks=[progress_callback(settings.steps)],
     )  # fmt: skip
     if method == "logra":
         from logra_optim.integrations.trl import attach_logra
@@ -266,21 +266,17 @@ def run_worker(settings: DemoSettings, method: str, seed: int) -> dict:
     }
 
 
-def _trainer_callback_base():
+def progress_callback(steps: int):
+    """A trainer callback that prints ``PROGRESS step steps reward`` lines on stderr, which the
+    parent process turns into its progress bar (a worker's own bar would interleave with it)."""
     from transformers import TrainerCallback
 
-    return TrainerCallback
+    class ProgressLines(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                print(f"PROGRESS {state.global_step} {steps} {logs['reward']:.4f}", file=sys.stderr, flush=True)
 
-
-class ProgressLine(_trainer_callback_base()):
-    """One status line per run on stderr (the parent shows it under its own bar): step and reward."""
-
-    def __init__(self, steps: int, method: str, seed: int):
-        self.steps, self.prefix = steps, f"{LABELS[method]} seed {seed}"
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and "reward" in logs:
-            print(f"PROGRESS {state.global_step} {self.steps} {logs['reward']:.4f}", file=sys.stderr, flush=True)
+    return ProgressLines()
 
 
 # --------------------------------------------------------------------------------------------------
