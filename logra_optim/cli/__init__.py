@@ -97,7 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--kl-budget", type=_positive_float, default=1e-2, help="LoGRA predicted KL per update")
     demo.add_argument("--adamw-lr", type=_positive_float, default=3e-4, help="dense AdamW learning rate")
     demo.add_argument("--warm-start-steps", type=int, default=None,
-                      help="supervised steps before RL (default: 100, or 0 with --model)")  # fmt: skip
+                      help="at most this many supervised steps before RL (default: 1000, or 0 with --model)")
+    demo.add_argument("--warm-start-reward", type=float, default=0.45,
+                      help="stop the warm start once greedy validation reward reaches this")  # fmt: skip
     demo.add_argument("--seeds", type=_int_list, default=[0], help="comma-separated; several give mean ± std")
     demo.add_argument("--methods", default="logra,adamw", help="comma-separated subset of logra,adamw")
     demo.add_argument("--device", type=_device, default="auto", help="auto, cpu, cuda or cuda:N")
@@ -126,13 +128,13 @@ def _demo_settings(args: argparse.Namespace, parser: argparse.ArgumentParser):
     unknown = sorted(set(methods) - set(METHODS))
     if unknown or not methods:
         parser.error(f"--methods: unknown {unknown or 'empty list'}; choose from {','.join(METHODS)}")
-    warm = args.warm_start_steps if args.warm_start_steps is not None else (0 if args.model else 100)
+    warm = args.warm_start_steps if args.warm_start_steps is not None else (0 if args.model else 1000)
     if warm < 0:
         parser.error(f"--warm-start-steps must be ≥ 0, got {warm}")
     settings = DemoSettings(
         output=os.path.abspath(args.output), task=args.task, digits=args.digits, steps=args.steps, rank=args.rank,
         kl_budget=args.kl_budget, adamw_lr=args.adamw_lr, warm_start_steps=warm, seeds=args.seeds,
-        methods=methods, model=args.model, device=args.device,
+        methods=methods, model=args.model, device=args.device, warm_start_reward=args.warm_start_reward,
     )  # fmt: skip
     if args.quick:
         settings.steps = min(settings.steps, 60)

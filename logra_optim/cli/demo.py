@@ -52,7 +52,8 @@ class DemoSettings:
     update_ratio: float = 5e-2
     probe_samples: int = 32
     adamw_lr: float = 1e-3
-    warm_start_steps: int = 300
+    warm_start_steps: int = 1000
+    warm_start_reward: float = 0.45
     batch_size: int = 64
     num_generations: int = 8
     seeds: list[int] = field(default_factory=lambda: [0])
@@ -138,14 +139,22 @@ def _encode_supervised(tokenizer, problems: list[tasks.Problem], device):
     return input_ids, attention, label_ids
 
 
-def warm_start(model, tokenizer, settings: DemoSettings, seed: int, device, progress=None) -> None:
-    """Supervised steps on correct answers, so that RL starts from partial competence."""
+def warm_start(model, tokenizer, settings: DemoSettings, seed: int, device, progress=None) -> dict:
+    """Supervised steps on correct answers until the greedy reward on a validation set reaches
+    ``settings.warm_start_reward`` (checked every 20 steps), at most ``settings.warm_start_steps``.
+
+    Stopping at a reward rather than after a fixed count makes every seed start RL from about the
+    same competence: a fixed count lands anywhere from 0.2 to 0.8 on this task, and from 0.2
+    GRPO's groups rarely hold a better answer to learn from.
+    """
     import torch
 
     model.to(device).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
     problems = tasks.make_problems(settings.task, settings.warm_start_steps * 32, digits=settings.digits,
                                    style=settings.style, seed=10_000 + seed)  # fmt: skip
+    validation = tasks.make_problems(settings.task, 128, digits=settings.digits, style=settings.style, seed=20_000)
+    reached = {"steps": 0, "reward": float("nan")}
     for step in range(settings.warm_start_steps):
         input_ids, attention, labels = _encode_supervised(tokenizer, problems[step * 32 : (step + 1) * 32], device)
         model(input_ids=input_ids, attention_mask=attention, labels=labels).loss.backward()
@@ -153,15 +162,21 @@ def warm_start(model, tokenizer, settings: DemoSettings, seed: int, device, prog
         optimizer.zero_grad()
         if progress is not None:
             progress()
+        if (step + 1) % 20 == 0:
+            reached = {"steps": step + 1, **evaluate(model, tokenizer, settings, device, validation)}
+            if reached["reward"] >= settings.warm_start_reward:
+                break
+    return reached
 
 
-def evaluate(model, tokenizer, settings: DemoSettings, device) -> dict[str, float]:
-    """Greedy answers to held-out problems: mean reward and exact-match accuracy."""
+def evaluate(model, tokenizer, settings: DemoSettings, device, problems=None) -> dict[str, float]:
+    """Greedy answers to held-out problems (by default the fixed evaluation set): mean reward and
+    exact-match accuracy."""
     import torch
 
-    problems = tasks.make_problems(
-        settings.task, EVAL_PROBLEMS, digits=settings.digits, style=settings.style, seed=-1 & 0xFFFF
-    )  # fmt: skip  (a seed no training set uses)
+    if problems is None:
+        problems = tasks.make_problems(settings.task, EVAL_PROBLEMS, digits=settings.digits, style=settings.style,
+                                       seed=-1 & 0xFFFF)  # fmt: skip  (a seed no training set uses)
     was_training = model.training
     model.eval()
     scores = []
@@ -299,7 +314,9 @@ def prepare_warm_starts(settings: DemoSettings, device: str, console) -> None:
         if settings.warm_start_steps:
             with Progress(console=console, transient=True) as progress:
                 bar = progress.add_task(f"warm start (supervised), seed {seed}", total=settings.warm_start_steps)
-                warm_start(model, tokenizer, settings, seed, device, lambda: progress.advance(bar))
+                reached = warm_start(model, tokenizer, settings, seed, device, lambda: progress.advance(bar))
+            console.print(f"warm start, seed {seed}: {reached['steps']} supervised steps, validation reward "
+                          f"{reached['reward']:.2f} (target {settings.warm_start_reward})")  # fmt: skip
         model.save_pretrained(target)
         tokenizer.save_pretrained(target)
 
