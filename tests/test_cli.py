@@ -80,6 +80,8 @@ def test_unwritable_output_dir_is_refused(capsys, tmp_path):
         (["demo", "--task", "chess"], "--task"),
         (["demo", "--methods", "logra,sgd"], "--methods"),
         (["demo", "--seeds", "1,x"], "--seeds"),
+        (["demo", "--warm-start-reward", "1.5"], "--warm-start-reward"),
+        (["demo", "--warm-start-steps", "-1"], "--warm-start-steps"),
         (["bench", "--methods", "adam"], "--methods"),
         (["bench", "--preset", "llama-70b"], "--preset"),
         (["plan"], "config"),

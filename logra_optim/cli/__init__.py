@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,plan}")
 
+    from .demo import DemoSettings
+
+    DEFAULTS = DemoSettings(output="")
     demo = commands.add_parser(
         "demo", help="GRPO on a verifiable task with LoGRA and with dense AdamW, side by side",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -90,21 +93,21 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     demo.add_argument("--model", type=_model_dir,
                       help="a local Hugging Face causal LM (default: a tiny Qwen2 built here)")  # fmt: skip
-    demo.add_argument("--task", choices=sorted(tasks.TASKS), default="addition")
-    demo.add_argument("--digits", type=_positive_int, default=1, help="operand digits (sort: digits+2 numbers)")
-    demo.add_argument("--steps", type=_positive_int, default=300, help="GRPO updates per run")
-    demo.add_argument("--rank", type=_positive_int, default=32, help="LoGRA sketch rank")
-    demo.add_argument("--kl-budget", type=_positive_float, default=1e-2, help="LoGRA predicted KL per update")
-    demo.add_argument("--adamw-lr", type=_positive_float, default=3e-4, help="dense AdamW learning rate")
+    demo.add_argument("--task", choices=sorted(tasks.TASKS), default="addition", help="the verifiable task")
+    demo.add_argument("--digits", type=_positive_int, default=DEFAULTS.digits, help="operand digits (sort: digits+2)")
+    demo.add_argument("--steps", type=_positive_int, default=DEFAULTS.steps, help="GRPO updates per run")
+    demo.add_argument("--rank", type=_positive_int, default=DEFAULTS.rank, help="LoGRA sketch rank")
+    demo.add_argument("--kl-budget", type=_positive_float, default=DEFAULTS.kl_budget, help="LoGRA KL per update")
+    demo.add_argument("--adamw-lr", type=_positive_float, default=DEFAULTS.adamw_lr, help="dense AdamW learning rate")
     demo.add_argument("--warm-start-steps", type=int, default=None,
                       help="at most this many supervised steps before RL (default: 1000, or 0 with --model)")
-    demo.add_argument("--warm-start-reward", type=float, default=0.45,
+    demo.add_argument("--warm-start-reward", type=float, default=DEFAULTS.warm_start_reward,
                       help="stop the warm start once greedy validation reward reaches this")  # fmt: skip
     demo.add_argument("--seeds", type=_int_list, default=[0], help="comma-separated; several give mean ± std")
     demo.add_argument("--methods", default="logra,adamw", help="comma-separated subset of logra,adamw")
     demo.add_argument("--device", type=_device, default="auto", help="auto, cpu, cuda or cuda:N")
     demo.add_argument("--output", type=_writable_dir, default="logra-demo", help="directory for plots and results")
-    demo.add_argument("--quick", action="store_true", help="a 2-minute run: fewer steps, smaller batches")
+    demo.add_argument("--quick", action="store_true", help="a short run: 60 updates of 32 completions")
 
     from .bench import add_arguments as add_bench_arguments
     from .plan import add_arguments as add_plan_arguments
@@ -131,6 +134,8 @@ def _demo_settings(args: argparse.Namespace, parser: argparse.ArgumentParser):
     warm = args.warm_start_steps if args.warm_start_steps is not None else (0 if args.model else 1000)
     if warm < 0:
         parser.error(f"--warm-start-steps must be ≥ 0, got {warm}")
+    if not 0.0 <= args.warm_start_reward <= 1.0:
+        parser.error(f"--warm-start-reward must be in [0, 1] (rewards are), got {args.warm_start_reward}")
     settings = DemoSettings(
         output=os.path.abspath(args.output), task=args.task, digits=args.digits, steps=args.steps, rank=args.rank,
         kl_budget=args.kl_budget, adamw_lr=args.adamw_lr, warm_start_steps=warm, seeds=args.seeds,

@@ -45,13 +45,15 @@ class DemoSettings:
 
     output: str
     task: str = "addition"
-    digits: int = 2
-    steps: int = 150
-    rank: int = 16
-    kl_budget: float = 2e-2
+    digits: int = 1
+    steps: int = 300
+    rank: int = 32
+    kl_budget: float = 1e-2
+    # The relative step before KL control scales it; the default 6e-5 is for billion-parameter
+    # models and would cap α (at alpha_max) long before this tiny one reaches the budget.
     update_ratio: float = 5e-2
-    probe_samples: int = 32
-    adamw_lr: float = 1e-3
+    probe_samples: int = 32  # completions are 2–3 tokens: probe more of them than the default 2
+    adamw_lr: float = 3e-4
     warm_start_steps: int = 1000
     warm_start_reward: float = 0.45
     batch_size: int = 64
