@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -56,6 +55,8 @@ import time
 from dataclasses import dataclass
 
 import torch
+
+from logra_optim.cli.measure import peak_rss_bytes
 
 BASELINES = ("adamw-targets", "adamw-full")
 METHODS = (*BASELINES, "logra-sgd", "logra-rowadam")
@@ -67,12 +68,6 @@ GIB = 2**30
 
 # --------------------------------------------------------------------------------------------------
 # Worker: one configuration, one process
-
-
-def peak_rss_bytes() -> int:
-    """The process's peak resident set size so far (Linux reports KiB, macOS bytes)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
@@ -335,8 +330,9 @@ def run_parent(args: argparse.Namespace, argv: list[str]) -> None:
             sample = run_configuration(args, config)
             samples[config].append(sample)
             step = statistics.median(a + b for a, b in zip(sample["fwd_bwd_s"], sample["optim_s"]))
+            elapsed = time.perf_counter() - started
             print(f"round {round_index}/{args.rounds} {config.label}: {step:.2f} s/step, peak Δ "
-                  f"{sample['peak_bytes'] / GIB:.2f} GiB ({time.perf_counter() - started:.0f} s)", file=sys.stderr)  # fmt: skip
+                  f"{sample['peak_bytes'] / GIB:.2f} GiB ({elapsed:.0f} s)", file=sys.stderr)  # fmt: skip
     meta["total_wall_s"] = time.perf_counter() - started
     results = [summarize(config, runs) for config, runs in samples.items()]
     meta["total_params"] = results[0]["total_params"]

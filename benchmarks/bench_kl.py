@@ -94,7 +94,9 @@ def _median_seconds(fn, runs: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def cost_worker(hidden: int, layers: int, vocab: int, seq: int, samples: int, rank: int, runs: int, warmup: int) -> dict:
+def cost_worker(
+    hidden: int, layers: int, vocab: int, seq: int, samples: int, rank: int, runs: int, warmup: int
+) -> dict:
     """One model size, in this (fresh) process."""
     from logra_optim import LoGRAOptimizer, patch_model
     from logra_optim.probe import (
@@ -156,12 +158,14 @@ def main() -> None:
         row = json.loads(out.strip().splitlines()[-1])
         results["cost"].append(row)
         print(f"cost hidden {hidden} layers {layers} ({row['tokens']} probe tokens, r={row['rank']}): "
-              f"JVP {row['jvp_over_forward']:.2f}× a forward, FD {row['fd_over_forward']:.2f}×", file=sys.stderr)  # fmt: skip
+              f"JVP {row['jvp_over_forward']:.2f}× a forward, FD {row['fd_over_forward']:.2f}×",
+              file=sys.stderr)  # fmt: skip
 
     print("\n| probe | budget | realised / budget (median [min, max] over steps) |\n|---|---|---|")
     for row in results["accuracy"]:
         print(f"| {row['probe']} | {row['budget']:.0e} | {row['median']:.3f} [{row['min']:.3f}, {row['max']:.3f}] |")
-    print("\n| model (hidden × layers, vocab) | probe tokens | plain forward s | JVP probe | FD probe |\n|---|---|---|---|---|")
+    print("\n| model (hidden × layers, vocab) | probe tokens | plain forward s | JVP probe | FD probe |")
+    print("|---|---|---|---|---|")
     for row in results["cost"]:
         print(f"| {row['hidden']} × {row['layers']}, {row['vocab']} | {row['tokens']} | {row['plain_forward_s']:.3f} | "
               f"{row['jvp_over_forward']:.2f}× | {row['fd_over_forward']:.2f}× |")  # fmt: skip

@@ -262,7 +262,9 @@ def test_resume_from_checkpoint_is_bit_identical(kind, tmp_path):
             for key, value in optimizer.state[mine].items():
                 assert torch.equal(value, reference.state[theirs][key]), key
     # The resumed run sampled the same completions: same rewards at steps 3 and 4.
-    rewards = lambda t: [e["reward"] for e in t.state.log_history if "reward" in e]
+    def rewards(trainer):
+        return [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
+
     assert rewards(resumed) == rewards(uninterrupted)
 
 
@@ -307,8 +309,10 @@ def test_mismatch_from_grpo_batches_reaches_the_step_control(tmp_path):
     # num_iterations=2 makes GRPO compute old_per_token_logps (as it always does with vLLM).
     steps, w = 4, 0.3
     args = setup.make_config("grpo", tmp_path, max_steps=steps, num_iterations=2, gradient_accumulation_steps=2)
-    trainer = GRPOWithRolloutLogps(model=setup.build_policy(), reward_funcs=setup.allowed_fraction_reward, args=args,
-                                   train_dataset=setup.prompt_dataset(), processing_class=setup.build_tokenizer())  # fmt: skip
+    trainer = GRPOWithRolloutLogps(
+        model=setup.build_policy(), reward_funcs=setup.allowed_fraction_reward, args=args,
+        train_dataset=setup.prompt_dataset(), processing_class=setup.build_tokenizer(),
+    )  # fmt: skip
     quiet_attach(trainer, mismatch_ema=w)
     trainer.train()
     logged = [entry for entry in trainer.state.log_history if "logra/mismatch" in entry]
