@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .measure import memory_baseline, peak_memory, resolve_device
+from .measure import memory_baseline, peak_memory, ratio, resolve_device
 
 METHODS = ("adamw", "adamw8bit", "lora", "galore", "logra-sgd", "logra-rowadam")
 BASELINE = "adamw"
@@ -72,6 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser, *, model_dir, writable_dir, p
     parser.add_argument("--rank", type=positive_int, default=64, help="rank of LoGRA, LoRA and GaLore")
     parser.add_argument("--ranks", type=int_list, default=[], help="extra LoGRA RowAdam ranks (comma-separated)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
+    parser.add_argument("--kl-budget", type=float, default=None,
+                        help="run LoGRA with predicted-KL control (its JVP probe each step); unset: no KL control")
     parser.add_argument("--batch", type=positive_int, default=2)
     parser.add_argument("--seq", type=positive_int, default=512)
     parser.add_argument("--warmup", type=positive_int, default=1)
@@ -116,14 +118,16 @@ def build_model(spec: dict, device: str):
     return model.train()
 
 
-def make_optimizer(model, method: str, rank: int):
+def make_optimizer(model, method: str, rank: int, kl_budget: float | None = None):
     """The optimizer of ``method`` (and the model it trains: LoRA wraps it)."""
     import torch
 
     from logra_optim import LoGRAOptimizer, find_target_modules, patch_model
 
     if method.startswith("logra-"):
-        return model, LoGRAOptimizer(patch_model(model), rank=rank, optimizer=method.removeprefix("logra-"))
+        optimizer = LoGRAOptimizer(patch_model(model), rank=rank, optimizer=method.removeprefix("logra-"),
+                                   kl_budget=kl_budget)  # fmt: skip
+        return model, optimizer
     targets = find_target_modules(model)
     if method == "lora":
         from peft import LoraConfig, get_peft_model
@@ -173,7 +177,7 @@ def run_worker(spec: dict) -> dict:
     device = spec["device"]
     baseline = memory_baseline(device)
     model = build_model(spec, device)
-    model, optimizer = make_optimizer(model, spec["method"], spec["rank"])
+    model, optimizer = make_optimizer(model, spec["method"], spec["rank"], spec.get("kl_budget"))
     generator = torch.Generator().manual_seed(1)
     input_ids = torch.randint(0, model.config.vocab_size, (spec["batch"], spec["seq"]), generator=generator).to(device)
     times = []
@@ -205,9 +209,28 @@ def method_available(method: str) -> str | None:
     module = OPTIONAL_MODULES.get(method)
     if module is None:
         return None
-    import importlib.util
+    import importlib
 
-    return None if importlib.util.find_spec(module) else f"{module} is not installed"
+    try:
+        importlib.import_module(module)
+    except Exception as error:  # an installed but broken package (e.g. a native library) is skipped too
+        return f"{module} does not import ({type(error).__name__}: {error})"
+    return None
+
+
+def _check_ranks(spec: dict, ranks: list[int], parser: argparse.ArgumentParser) -> None:
+    """Refuse a rank no target of the model allows before any worker starts (LoRA, GaLore and LoGRA
+    share it)."""
+    from .plan import Shape
+
+    try:
+        shape = Shape.from_config(model_config(spec).to_dict())
+    except ValueError:
+        return  # not a Llama-style config: the workers' own checks will name the module
+    smallest = min(min(d, k) for d, k in shape.targets())
+    if ranks and (ranks[0] < 1 or ranks[-1] > smallest):
+        parser.error(f"--rank/--ranks {ranks}: every rank must be in 1…{smallest}, the smallest target "
+                     "dimension of this model")  # fmt: skip
 
 
 def run_configuration(spec: dict) -> dict:
@@ -238,7 +261,7 @@ def table(results: list[dict]) -> tuple[list[str], list[list[str]]]:
     for r in results:
         row = [r["label"], f"{r['trained_params'] / 1e6:.2f} M", f"{r['peak_bytes'] / GIB:.3f}", f"{r['step_s']:.3f}"]
         if base:
-            row += [f"{r['peak_bytes'] / base['peak_bytes']:.2f}×", f"{r['step_s'] / base['step_s']:.2f}×"]
+            row += [ratio(r["peak_bytes"], base["peak_bytes"]), ratio(r["step_s"], base["step_s"])]
         rows.append(row)
     return headers, rows
 
@@ -278,7 +301,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
     device = resolve_device(args.device)
     layers = args.layers or (None if (args.model or args.config) else DEFAULT_LAYERS[args.preset])
     base_spec = dict(preset=args.preset, config=args.config, model=args.model, layers=layers, batch=args.batch,
-                     seq=args.seq, warmup=args.warmup, runs=args.runs, threads=args.threads, device=device)  # fmt: skip
+                     seq=args.seq, warmup=args.warmup, runs=args.runs, threads=args.threads, device=device,
+                     kl_budget=args.kl_budget)  # fmt: skip
     console = Console(stderr=True)
     configs, skipped = [], {}
     for method in methods:
@@ -290,7 +314,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
         configs += [Configuration(method, 0 if method in ("adamw", "adamw8bit") else rank) for rank in ranks]
     for method, reason in skipped.items():
         console.print(f"[yellow]skipping {method}: {reason}[/]")
+    if not configs:
+        raise ValueError(f"none of --methods {args.methods} can run here: {skipped}")
+    _check_ranks(base_spec, sorted({c.rank for c in configs if c.method not in ("adamw", "adamw8bit")}), parser)
 
+    Path(args.output).mkdir(parents=True, exist_ok=True)
     samples: dict[Configuration, list[dict]] = {config: [] for config in configs}
     started = time.perf_counter()
     from rich.progress import Progress
@@ -304,7 +332,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
                 progress.advance(bar)
     results = [summarize(config, runs) for config, runs in samples.items()]
     source = args.model or args.config or f"preset {args.preset}"
-    title = (f"{source}, {samples[configs[0]][0]['layers']} layers, {results[0]['total_params'] / 1e6:.0f} M params; "
+    base_params = next(r["total_params"] for r in results if not r["method"] == "lora")  # LoRA adds adapters
+    title = (f"{source}, {samples[configs[0]][0]['layers']} layers, {base_params / 1e6:.0f} M params; "
              f"batch {args.batch}×{args.seq}; {device}; median of {args.rounds}×{args.runs} steps")  # fmt: skip
     headers, rows = table(results)
     rich_table = Table(title=title, title_justify="left")

@@ -31,12 +31,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import tasks
-from .measure import memory_baseline, peak_memory, resolve_device
+from .measure import memory_baseline, peak_memory, ratio, resolve_device
 
 METHODS = ("logra", "adamw")
 LABELS = {"logra": "LoGRA", "adamw": "dense AdamW"}
 SPECIAL_TOKENS = {"pad": "<pad>", "eos": "<eos>", "unk": "<unk>", "bos": "<bos>"}
 EVAL_PROBLEMS = 256
+EVAL_SEED = 65_535  # training draws use seeds 0…, 10 000 + seed (warm start) and 20 000 (validation)
 
 
 @dataclass
@@ -178,7 +179,7 @@ def evaluate(model, tokenizer, settings: DemoSettings, device, problems=None) ->
 
     if problems is None:
         problems = tasks.make_problems(settings.task, EVAL_PROBLEMS, digits=settings.digits, style=settings.style,
-                                       seed=-1 & 0xFFFF)  # fmt: skip  (a seed no training set uses)
+                                       seed=EVAL_SEED)  # fmt: skip
     was_training = model.training
     model.eval()
     scores = []
@@ -238,6 +239,8 @@ def run_worker(settings: DemoSettings, method: str, seed: int) -> dict:
     if settings.threads:
         torch.set_num_threads(settings.threads)
     device = resolve_device(settings.device)
+    if device.startswith("cuda:"):
+        torch.cuda.set_device(device)  # accelerate trains on the current device
     baseline = memory_baseline(device)
 
     model, tokenizer = load_policy(settings, str(Path(settings.output) / "warm_start" / f"seed{seed}"))
@@ -389,8 +392,8 @@ def table_rows(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
         row = [LABELS[r["method"]], pm(r["reward_before"]), pm(r["reward_after"]), pm(r["accuracy_before"]),
                pm(r["accuracy_after"]), f"{r['peak_bytes'] / 2**20:.0f}", f"{r['seconds_per_update']:.2f}"]  # fmt: skip
         if adamw:
-            row += [f"{r['peak_bytes'] / adamw['peak_bytes']:.2f}×",
-                    f"{r['seconds_per_update'] / adamw['seconds_per_update']:.2f}×"]  # fmt: skip
+            row += [ratio(r["peak_bytes"], adamw["peak_bytes"]),
+                    ratio(r["seconds_per_update"], adamw["seconds_per_update"])]  # fmt: skip
         cells.append(row)
     return headers, cells
 
@@ -443,6 +446,7 @@ def run(settings: DemoSettings) -> dict:
 
     console = Console(stderr=True)
     output = Path(settings.output)
+    output.mkdir(parents=True, exist_ok=True)
     device = resolve_device(settings.device)
     if device == "cpu":
         # DeepSpeed, when installed, is imported by accelerate and warns that it found no GPU.

@@ -21,6 +21,8 @@ def resolve_device(device: str) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: no CUDA device is visible here; use --device cpu or auto")
+    if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
     if device != "cpu" and not device.startswith("cuda"):
         raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {device!r}")
     return device
@@ -45,3 +47,9 @@ def peak_memory(device: str) -> int:
     import torch
 
     return torch.cuda.max_memory_allocated(device) if device.startswith("cuda") else peak_rss_bytes()
+
+
+def ratio(value: float, baseline: float) -> str:
+    """``value / baseline`` as ``"0.42×"``; ``"n/a"`` when the baseline measured zero (a run so small
+    that it never rose above the post-import RSS high-water mark)."""
+    return f"{value / baseline:.2f}×" if baseline > 0 else "n/a"

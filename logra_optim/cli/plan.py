@@ -9,17 +9,18 @@ Mistral-style decoders: attention q/k/v/o and a gated MLP per layer), for a per-
   model dtype is not fp32, all ``/ N`` when sharded; plus one fp32 parameter-sized temporary of
   torch's default (foreach) AdamW step (``sqrt`` of the second moment).
 * **LoRA** (rank ``r`` on the same targets, fp32 adapters): per target ``(d + k) r`` adapter
-  parameters with gradients and two moments; activations: those of dense training (each adapter's
-  ``lora_A`` keeps its input) plus the ``r``-wide adapter outputs.
+  parameters with gradients and two moments; activations: the linear layers' inputs as in dense
+  training (each adapter's ``lora_A`` keeps its input) plus the ``r``-wide adapter outputs.
 * **LoGRA**: per target the fp32 sketch ``d × r``, the projection ``r × k`` (fp32, and a copy at the
   activation dtype if that differs), one fp32 RowAdam statistic per row, all replicated on every
   GPU (each rank sketches its own tokens, then they are averaged); activations: a target layer keeps
   ``x Aᵀ`` (``r`` wide) instead of its input ``x``.
 * **activations** per token and layer, in elements at the activation dtype (``H`` hidden, ``I``
-  intermediate, ``kv`` the k/v width): two RMSNorms keep ``2H`` each when their weights train, ``H``
-  when frozen; attention keeps q, k, v and its output (``2H + 2kv``, a fused kernel with no ``T × T``
-  scores); the linear layers' inputs (``H`` for q/k/v, ``H`` for o, ``H`` for gate/up, ``I`` for
-  down); the gated activation ``3I``. With gradient checkpointing only each layer's input (``H``)
+  intermediate, ``q`` = heads × head_dim, ``kv`` the k/v width): two RMSNorms keep ``2H`` each when
+  their weights train, ``H`` when frozen (LoRA, LoGRA); attention keeps q, k, v and its output
+  (``2q + 2kv``, a fused kernel with no ``T × T`` scores); the linear layers' inputs (``H`` for
+  q/k/v, ``q`` for o, ``H`` for gate/up, ``I`` for down; LoGRA keeps ``r`` per target instead); the
+  gated activation ``3I``. With gradient checkpointing only each layer's input (``H``)
   plus one layer's full set stay. ``tests/test_cli.py`` checks these counts against the bytes
   autograd actually saves (``saved_tensors_hooks``) for all three methods.
 * **logits**: at the start of backward the logits (kept by the model's output), the fp32
@@ -42,6 +43,8 @@ import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from .measure import ratio
 
 GIB = 2**30
 METHODS = ("adamw", "lora", "logra")
@@ -185,7 +188,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, positive_int) -> None:
     )
     parser.add_argument("--no-checkpointing", action="store_true", help="keep every layer's activations")
     parser.add_argument("--layers", type=positive_int, help="override the config's layer count")
-    parser.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU, for the 'fits' column")
+    parser.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU, for the 'fits' row")
     parser.add_argument("--measured", help="a `logra bench` bench.json to compare with (same shape and batch)")
 
 
@@ -219,7 +222,16 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
     setting = Setting(rank=args.rank, dtype=args.dtype, batch=args.batch, seq=args.seq, gpus=args.gpus,
                       sharded=not args.replicated, checkpointing=not args.no_checkpointing)  # fmt: skip
     predictions = {method: breakdown(shape, method, setting) for method in METHODS}
+    if args.gpu_memory <= 0:
+        parser.error(f"--gpu-memory must be positive (GiB), got {args.gpu_memory}")
     measured = _measured_peaks(args.measured, args.rank) if args.measured else {}
+    if measured:
+        meta = json.loads(Path(args.measured).read_text())["meta"]
+        differ = {name: (meta.get(name), value) for name, value in
+                  (("batch", setting.batch), ("seq", setting.seq), ("layers", shape.layers)) if meta.get(name) != value}
+        if differ or setting.dtype != "fp32" or setting.checkpointing:
+            parser.error(f"--measured was run with other settings (bench, plan): {differ}; `logra bench` runs "
+                         "fp32 without checkpointing, so plan it with --dtype fp32 --no-checkpointing")  # fmt: skip
 
     layout = "sharded" if setting.sharded else "replicated"
     checkpointing = "on" if setting.checkpointing else "off"
@@ -243,7 +255,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
     if measured:
         table.add_row("measured peak", *(f"{measured[m] / GIB:.2f}" if m in measured else "-" for m in METHODS))
         table.add_row("predicted / measured",
-                      *(f"{totals[m] / measured[m]:.2f}×" if m in measured else "-" for m in METHODS))  # fmt: skip
+                      *(ratio(totals[m], measured[m]) if m in measured else "-" for m in METHODS))  # fmt: skip
     Console(width=max(Console().width, 110)).print(table)
     return {"shape": shape, "setting": setting, "predictions": predictions, "totals": totals, "measured": measured}
 
