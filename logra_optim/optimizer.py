@@ -548,7 +548,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         factors = [direction * eta for _, entries, eta in plans for _, _, direction, _ in entries]
         started = time.perf_counter()
         if self.probe == "jvp":
-            total, tokens, base = jvp_predicted_kl(self._model, targets, factors, contexts, self.probe_logits_fn)
+            total, tokens, base = jvp_predicted_kl(
+                self._model, targets, factors, contexts, self.probe_logits_fn, keep_base=self.realised_kl_check
+            )
         else:
             total, tokens, base = finite_difference_predicted_kl(
                 self._model, targets, factors, contexts, self.probe_logits_fn, self.fd_epsilon

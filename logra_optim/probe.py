@@ -196,14 +196,69 @@ def _probe_logits(model, contexts, logits_fn) -> torch.Tensor:
     return logits_fn(model, contexts)[contexts.probe_mask]
 
 
-def jvp_predicted_kl(model, targets, factors, contexts: ProbeContexts, logits_fn: LogitsFn = default_logits_fn):
-    """``(Σ_s q_s, |P|, base logits at P)`` for the update ``D_W = −F A``, from one dual forward."""
+# Probe positions whose logits (primal and tangent) exist at once on the chunked path.
+HEAD_CHUNK_POSITIONS = 64
+
+
+def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
+    """``(decoder, lm_head)`` when the model's logits are exactly ``lm_head(decoder(...)[0])``, so
+    the probe can apply the head a chunk of probe positions at a time instead of materialising
+    ``positions × vocabulary`` logits twice (primal and tangent); ``None`` otherwise.
+
+    Not taken for heads with logit soft-capping or scaling, or whose parameters are sharded (FSDP2
+    DTensors, ZeRO-3 partitions): the root module's hooks gather those, and calling the decoder
+    directly would bypass them."""
+    get_decoder = getattr(model, "get_decoder", None)
+    get_head = getattr(model, "get_output_embeddings", None)
+    if get_decoder is None or get_head is None:
+        return None
+    head, decoder = get_head(), get_decoder()
+    config = getattr(model, "config", None)
+    if type(head) is not nn.Linear or decoder is None or decoder is model:
+        return None
+    if any(getattr(config, name, None) for name in ("final_logit_softcapping", "logit_scale", "logits_scaling")):
+        return None
+    if any(type(p).__name__ == "DTensor" or hasattr(p, "ds_tensor") for p in model.parameters()):
+        return None
+    return decoder, head
+
+
+def _chunked_head_kl_terms(decoder, head: nn.Linear, contexts: ProbeContexts) -> torch.Tensor:
+    """Per-position ``q_s`` with the LM head applied ``HEAD_CHUNK_POSITIONS`` positions at a time."""
+    output = decoder(input_ids=contexts.input_ids, attention_mask=contexts.attention_mask, use_cache=False)
+    hidden = output if isinstance(output, torch.Tensor) else output[0]
+    primal, tangent = fwAD.unpack_dual(hidden)
+    if tangent is None:
+        raise RuntimeError("KL probe: the hidden states carry no tangent; no patched target was on the path to them")
+    primal, tangent = primal[contexts.probe_mask], tangent[contexts.probe_mask]
+    terms = [torch.zeros(0, dtype=torch.float64, device=primal.device)]
+    for start in range(0, primal.shape[0], HEAD_CHUNK_POSITIONS):
+        rows = slice(start, start + HEAD_CHUNK_POSITIONS)
+        logits = F.linear(primal[rows], head.weight, head.bias)
+        terms.append(fisher_kl_terms(logits, F.linear(tangent[rows], head.weight), contexts.temperature))
+    return torch.cat(terms)
+
+
+def jvp_predicted_kl(
+    model, targets, factors, contexts: ProbeContexts, logits_fn: LogitsFn = default_logits_fn, keep_base: bool = True
+):
+    """``(Σ_s q_s, |P|, base logits at P)`` for the update ``D_W = −F A``, from one dual forward.
+
+    With ``keep_base=False`` (the base logits are only needed by a realised-KL check) and the
+    default ``logits_fn``, the LM head runs a chunk of positions at a time where the model allows
+    it (see ``_decoder_and_head``), and the base logits returned are ``None``: the full
+    ``positions × vocabulary`` logits, twice over, would otherwise set the probe's memory peak at
+    large vocabularies."""
+    split = _decoder_and_head(model) if not keep_base and logits_fn is default_logits_fn else None
     with (
         _inference_environment(model),
         fwAD.dual_level(),
         _probe_targets(targets, factors, "tangent"),
         _frozen_linears_with_tangents(model),
     ):
+        if split is not None:
+            terms = _chunked_head_kl_terms(*split, contexts)
+            return terms.sum(), terms.numel(), None
         logits = logits_fn(model, contexts)
         primal, tangent = fwAD.unpack_dual(logits)
         if tangent is None:

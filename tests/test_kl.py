@@ -366,3 +366,23 @@ def test_a_budget_schedule_drives_successive_updates(fitted_model):
         budgets.append(opt.stats["kl_budget"])
         assert opt.stats["predicted_step_kl"] == pytest.approx(budgets[-1])
     assert budgets == pytest.approx([2e-4, 1.1e-4, 2e-5, 2e-5])
+
+
+def test_chunked_lm_head_probe_equals_the_full_logits_probe(fitted_model, monkeypatch):
+    """Without a realised-KL check the JVP probe applies the LM head a few positions at a time
+    (no ``positions × vocabulary`` logits); it must predict the same KL as the full-logits path."""
+    import logra_optim.probe as probe
+
+    base, batch = fitted_model
+    model = patch_model(copy.deepcopy(base))
+    opt = LoGRAOptimizer(model, rank=16, kl_budget=1e-4, optimizer="sgd", wire_dtype=None)
+    model(**batch).loss.backward()
+    factors = [t.sketch * 1e-1 for t in opt._targets]
+    contexts = opt._probe_contexts()
+    assert probe._decoder_and_head(model) is not None, "the test model must take the chunked path"
+    q_full, n_full, logits = jvp_predicted_kl(model, opt._targets, factors, contexts, keep_base=True)
+    monkeypatch.setattr(probe, "HEAD_CHUNK_POSITIONS", 3)  # several chunks, a ragged last one
+    q_chunked, n_chunked, none = jvp_predicted_kl(model, opt._targets, factors, contexts, keep_base=False)
+    assert logits is not None and none is None
+    assert n_chunked == n_full == contexts.tokens and n_full > 3
+    assert float(q_chunked) == pytest.approx(float(q_full), rel=1e-6)
