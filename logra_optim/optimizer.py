@@ -200,7 +200,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self._index_of = {id(m.weight): i for i, m in enumerate(self._modules)}
         self._group = dp.data_parallel_group(process_group)
         self._fsdp2 = dp.fsdp2_modules(model)
-        self._merged_factors: dict[int, torch.Tensor] = {}  # the latest merge's F per target
+        self._merged_factors: dict[int, torch.Tensor] = {}  # the latest merge's F per ZeRO-3 target
         defaults = dict(lr=lr, lr_mode=lr_mode, optimizer=optimizer, beta2=beta2, eps=eps)
         super().__init__([m.weight for m in self._modules], defaults)
 
@@ -593,7 +593,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                         projection_seed(self.seed, self.update_index, "rounding/" + target.canonical_name)
                     )
                 options = dict(stochastic_rounding=self.stochastic_rounding, generator=generator)
-                self._merged_factors[index] = factor
+                if layout.kind == dp.FLAT:  # only a ZeRO-3 restore may need to undo it (see _restore)
+                    self._merged_factors[index] = factor
                 gathered = self._gathered_copy(index)
                 if gathered is not None:  # ZeRO-3 holds it whole too: update that, the partition is its slice
                     merge_low_rank_(gathered, factor, target.projection, **options)

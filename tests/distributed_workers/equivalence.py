@@ -157,23 +157,20 @@ def main() -> None:
     else:
         dist.init_process_group("gloo")
     rank = dist.get_rank()
-    results = {}
-    for config in CONFIGS:
-        run = Run(mode, config)
+    def trained(run: Run, with_state: bool = False) -> dict:
+        """``STEPS`` training steps; the final weights and every step's α (and optimizer state)."""
         alphas = []
         for _ in range(STEPS):
             run.train_step(rank)
             alphas.append(run.opt.stats["alpha"])
-        results[config] = {"weights": run.weights(), "alphas": alphas, "state": run.opt.state_dict()}
-        del run
+        result = {"weights": run.weights(), "alphas": alphas}
+        if with_state:
+            result["state"] = run.opt.state_dict()
+        return result
+
+    results = {config: trained(Run(mode, config), with_state=True) for config in CONFIGS}
     if mode == "zero3":  # ZeRO-3's default: small parameters stay whole as well as partitioned
-        run = Run(mode, "kl-check", persistent=True)
-        alphas = []
-        for _ in range(STEPS):
-            run.train_step(rank)
-            alphas.append(run.opt.stats["alpha"])
-        results["kl-check-persistent"] = {"weights": run.weights(), "alphas": alphas}
-        del run
+        results["kl-check-persistent"] = trained(Run(mode, "kl-check", persistent=True))
     if mode == "zero3":  # the JVP probe is refused clearly under ZeRO-3
         run = Run(mode, "plain")
         try:
@@ -182,13 +179,7 @@ def main() -> None:
             results["jvp_error"] = str(error)
         del run
     if mode == "fsdp2":
-        run = Run(mode, "kl-check", root_only=True)
-        alphas = []
-        for _ in range(STEPS):
-            run.train_step(rank)
-            alphas.append(run.opt.stats["alpha"])
-        results["kl-check-root-only"] = {"weights": run.weights(), "alphas": alphas}
-        del run
+        results["kl-check-root-only"] = trained(Run(mode, "kl-check", root_only=True))
 
     # Checkpoint: two steps, save, a fresh setup resumes and takes the third.
     checkpoint = os.path.join(out, f"{mode}-checkpoint")
