@@ -63,7 +63,9 @@ class Configuration:
         return self.method if self.method in ("adamw", "adamw8bit") else f"{self.method} r={self.rank}"
 
 
-def add_arguments(parser: argparse.ArgumentParser, *, model_dir, writable_dir, positive_int, int_list, device) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .arguments import choice_list, device, int_list, model_dir, positive_int, writable_dir
+
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--preset", choices=sorted(PRESETS), default="qwen2.5-0.5b", help="a model shape")
     source.add_argument("--config", help="a config.json (or a directory holding one); random weights")
@@ -71,7 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser, *, model_dir, writable_dir, p
     parser.add_argument("--layers", type=positive_int, help="keep this many decoder layers (default: the preset's)")
     parser.add_argument("--rank", type=positive_int, default=64, help="rank of LoGRA, LoRA and GaLore")
     parser.add_argument("--ranks", type=int_list, default=[], help="extra LoGRA RowAdam ranks (comma-separated)")
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
+    parser.add_argument("--methods", type=choice_list(METHODS), default=list(METHODS),
+                        help=f"comma-separated subset of {','.join(METHODS)}")  # fmt: skip
     parser.add_argument("--kl-budget", type=float, default=None,
                         help="run LoGRA with predicted-KL control (its JVP probe each step); unset: no KL control")
     parser.add_argument("--batch", type=positive_int, default=2)
@@ -292,10 +295,6 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
     from rich.console import Console
     from rich.table import Table
 
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = sorted(set(methods) - set(METHODS))
-    if unknown or not methods:
-        parser.error(f"--methods: unknown {unknown or 'empty list'}; choose from {','.join(METHODS)}")
     if args.config and not Path(args.config).exists():
         parser.error(f"--config {args.config}: no such file")
     device = resolve_device(args.device)
@@ -305,7 +304,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
                      kl_budget=args.kl_budget)  # fmt: skip
     console = Console(stderr=True)
     configs, skipped = [], {}
-    for method in methods:
+    for method in args.methods:
         reason = method_available(method)
         if reason:
             skipped[method] = reason
@@ -315,7 +314,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
     for method, reason in skipped.items():
         console.print(f"[yellow]skipping {method}: {reason}[/]")
     if not configs:
-        raise ValueError(f"none of --methods {args.methods} can run here: {skipped}")
+        raise ValueError(f"none of --methods {','.join(args.methods)} can run here: {skipped}")
     _check_ranks(base_spec, sorted({c.rank for c in configs if c.method not in ("adamw", "adamw8bit")}), parser)
 
     Path(args.output).mkdir(parents=True, exist_ok=True)

@@ -173,7 +173,9 @@ def peak(parts: dict[str, float]) -> float:
     return persistent + max(backward, step)
 
 
-def add_arguments(parser: argparse.ArgumentParser, *, positive_int) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .arguments import positive_int
+
     parser.add_argument("config", help="a config.json, a directory holding one, or a `logra bench` preset name")
     parser.add_argument("--rank", type=positive_int, default=256)
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="weights and activations")
