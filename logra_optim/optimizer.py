@@ -15,11 +15,13 @@ import numbers
 import time
 import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
 
 from . import distributed as dp
 from .kl import budget_at, effective_budget, mismatch_sample, mismatch_terms, step_scale
@@ -36,6 +38,7 @@ from .probe import (
 )
 from .projection import PROJECTIONS, make_projection, projection_seed
 from .sketch import SketchBank
+from .sync import TargetUpdate, Update
 from .updates import low_rank_sq_norm, merge_low_rank_, relative_step_size, rowadam_direction
 
 OPTIMIZERS = ("rowadam", "sgd")
@@ -201,6 +204,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self._group = dp.data_parallel_group(process_group)
         self._fsdp2 = dp.fsdp2_modules(model)
         self._merged_factors: dict[int, torch.Tensor] = {}  # the latest merge's F per ZeRO-3 target
+        self._merge_hooks: OrderedDict[int, Callable[[LoGRAOptimizer, Update], None]] = OrderedDict()
+        self._sent_factors: dict[int, torch.Tensor] = {}  # the latest merge's F per target, while hooks listen
         defaults = dict(lr=lr, lr_mode=lr_mode, optimizer=optimizer, beta2=beta2, eps=eps)
         super().__init__([m.weight for m in self._modules], defaults)
 
@@ -392,6 +397,27 @@ class LoGRAOptimizer(torch.optim.Optimizer):
     # ----------------------------------------------------------------------------------------------
     # torch.optim.Optimizer API
 
+    def register_merge_hook(self, hook: Callable[[LoGRAOptimizer, Update], None]) -> RemovableHandle:
+        """Call ``hook(optimizer, update)`` after every applied update with exactly what was merged:
+        per target the HF parameter name, the projection seed and ``F = α η U`` (wire dtype). This is
+        what a rollout engine needs (:mod:`.sync`). Returns a handle whose ``remove()`` detaches it."""
+        handle = RemovableHandle(self._merge_hooks)
+        self._merge_hooks[handle.id] = hook
+        return handle
+
+    def _merged_update(self) -> Update:
+        """The update just merged (called before the update counter advances)."""
+        targets = tuple(
+            TargetUpdate(
+                name=target.canonical_name + ".weight",
+                seed=projection_seed(self.seed, self.projection_index, target.canonical_name),
+                in_features=self._layouts[index].shape[1],
+                factor=self._sent_factors[index],
+            )
+            for index, target in enumerate(self._targets)
+        )
+        return Update(self.update_index + 1, targets)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the sketches (and the non-target optimizer's gradients)."""
         self._bank.zero_()
@@ -466,6 +492,11 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         for _, entries, _ in plans:
             for module, _, _, new_state in entries:
                 self.state[module.weight].update(new_state)
+        if self._merge_hooks:
+            update = self._merged_update()
+            self._sent_factors = {}
+            for hook in list(self._merge_hooks.values()):
+                hook(self, update)
         self.update_index += 1
         self._merged_factors.clear()
         if self.refresh:
@@ -595,6 +626,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 options = dict(stochastic_rounding=self.stochastic_rounding, generator=generator)
                 if layout.kind == dp.FLAT:  # only a ZeRO-3 restore may need to undo it (see _restore)
                     self._merged_factors[index] = factor
+                if self._merge_hooks:
+                    self._sent_factors[index] = factor.contiguous()
                 gathered = self._gathered_copy(index)
                 if gathered is not None:  # ZeRO-3 holds it whole too: update that, the partition is its slice
                     merge_low_rank_(gathered, factor, target.projection, **options)

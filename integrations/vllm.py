@@ -1,0 +1,575 @@
+"""vLLM adapter: keep a rollout engine's weights in step with LoGRA by sending ``(F, seed)``.
+
+Two halves, one per process:
+
+* :class:`LoGRAWorkerExtension` runs inside every vLLM worker
+  (``LLM(..., worker_extension_cls=EXTENSION)`` or
+  ``python -m vllm.entrypoints.openai.api_server --worker-extension-cls logra_optim.integrations.vllm.LoGRAWorkerExtension``).
+  It regenerates each target's ``A`` from the seed and applies ``W ← W − F A`` (METHOD.md §4).
+* :class:`VLLMSync` runs beside the optimizer: it records what the optimizer merges, sends it as a
+  :class:`~logra_optim.sync.SyncPayload`, and watches the drift between the two copies.
+
+How the engine applies an update depends on where its weights live:
+
+* **in place** (CUDA, unquantized): each target's rows of the loaded, possibly fused and
+  tensor-parallel, parameter are updated directly. vLLM stacks ``q/k/v_proj`` into ``qkv_proj`` and
+  ``gate/up_proj`` into ``gate_up_proj``: each member gets its own rows. A column-parallel layer
+  holds a slice of the rows (its rows of ``F``), a row-parallel one (``o_proj``, ``down_proj``) a
+  slice of the columns (its columns of ``A``): see :func:`column_parallel_placements`.
+* **reload** (the CPU backend, which prepacks linears and leaves ``layer.weight`` empty; quantized
+  layers): the extension keeps checkpoint-format shadow copies (fp32 by default) of every linear
+  layer's tensors, updates those, and hands whole fused groups to vLLM's ``reload_weights``. fp32
+  shadows mean the engine's bf16 weights are re-rounded from an exact copy each time, so rounding
+  does not accumulate.
+
+Server mode: vLLM's ``POST /collective_rpc`` (with ``VLLM_SERVER_DEV_MODE=1``) passes only strings,
+so payloads travel as base64 of :meth:`SyncPayload.encode`.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import logging
+import time
+import urllib.request
+import warnings
+from collections.abc import Callable, Iterable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from logra_optim.projection import canonical_name, projection_seed
+from logra_optim.sync import (
+    PayloadError,
+    SyncPayload,
+    UpdateRecorder,
+    checksum_probe,
+    full_sync_bytes,
+    projection_of,
+    relative_drift,
+    weight_checksum,
+)
+from logra_optim.updates import merge_low_rank_
+
+__all__ = ["EXTENSION", "LoGRAWorkerExtension", "Placement", "VLLMSync", "attach_vllm_sync"]
+
+EXTENSION = "logra_optim.integrations.vllm.LoGRAWorkerExtension"
+
+# --------------------------------------------------------------------------------------------------
+# Where a checkpoint matrix lives in the engine (pure functions of the layer geometry)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the HF matrix ``name`` (``out_features × in_features``) lives on one engine rank.
+
+    ``W_local[param_rows, :] ↔ W[factor_rows, projection_cols]``: the rank's update is
+    ``W_local[param_rows] −= F[factor_rows] · A[:, projection_cols]``.
+    """
+
+    module: str
+    out_features: int
+    in_features: int
+    factor_rows: slice
+    param_rows: slice
+    projection_cols: slice
+
+
+def column_parallel_placements(
+    module: str, members: list[str], local_sizes: list[int], shard_ranks: list[int], in_features: int
+) -> dict[str, Placement]:
+    """Placements of the members of a (fused) column-parallel layer on one rank.
+
+    The local parameter stacks the members' local row blocks in order; member ``i`` holds rows
+    ``[shard_ranks[i]·local_sizes[i], (shard_ranks[i]+1)·local_sizes[i])`` of its HF matrix. vLLM
+    uses ``shard_rank = tp_rank`` except for the k/v blocks of ``qkv_proj`` when KV heads are
+    replicated (``tp_rank // replicas``).
+    """
+    placements, offset = {}, 0
+    for member, size, shard in zip(members, local_sizes, shard_ranks):
+        placements[member] = Placement(
+            module=module,
+            out_features=-1,  # filled by the caller: the HF matrix's full row count
+            in_features=in_features,
+            factor_rows=slice(shard * size, (shard + 1) * size),
+            param_rows=slice(offset, offset + size),
+            projection_cols=slice(0, in_features),
+        )
+        offset += size
+    return placements
+
+
+def row_parallel_placement(module: str, out_features: int, in_per_rank: int, tp_rank: int, tp_size: int) -> Placement:
+    """A row-parallel layer (input dim split): all rows, this rank's columns of ``A``."""
+    return Placement(
+        module=module,
+        out_features=out_features,
+        in_features=in_per_rank * tp_size,
+        factor_rows=slice(0, out_features),
+        param_rows=slice(0, out_features),
+        projection_cols=slice(tp_rank * in_per_rank, (tp_rank + 1) * in_per_rank),
+    )
+
+
+def engine_placements(model: nn.Module) -> dict[str, Placement]:
+    """Every linear weight of a vLLM model by its HF checkpoint name (``…q_proj.weight``)."""
+    from vllm.model_executor.layers.linear import (
+        LinearBase,
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        RowParallelLinear,
+    )
+
+    packed = getattr(model, "packed_modules_mapping", {}) or {}
+    placements: dict[str, Placement] = {}
+    for name, layer in model.named_modules():
+        if not isinstance(layer, LinearBase):
+            continue
+        prefix, _, short = name.rpartition(".")
+        members = [f"{prefix}.{m}.weight" if prefix else f"{m}.weight" for m in packed.get(short, [short])]
+        tp_rank, tp_size = getattr(layer, "tp_rank", 0), getattr(layer, "tp_size", 1)
+        if isinstance(layer, RowParallelLinear):
+            placements[members[0]] = row_parallel_placement(
+                name, layer.output_size, layer.input_size_per_partition, tp_rank, tp_size
+            )
+            continue
+        if isinstance(layer, QKVParallelLinear):
+            local = [layer.num_heads * layer.head_size, layer.num_kv_heads * layer.head_size,
+                     layer.num_kv_heads * layer.v_head_size]  # fmt: skip
+            kv_shard = tp_rank // layer.num_kv_head_replicas
+            shards = [tp_rank, kv_shard, kv_shard]
+            full = [layer.total_num_heads * layer.head_size, layer.total_num_kv_heads * layer.head_size,
+                    layer.total_num_kv_heads * layer.v_head_size]  # fmt: skip
+        elif isinstance(layer, MergedColumnParallelLinear):
+            full = list(layer.output_sizes)
+            local, shards = [size // tp_size for size in full], [tp_rank] * len(full)
+        else:  # plain column-parallel or replicated
+            full = [layer.output_size]
+            local = list(getattr(layer, "output_partition_sizes", full))[:1]
+            shards = [tp_rank if local[0] != full[0] else 0]
+        for member, rows, placement in zip(
+            members, full, column_parallel_placements(name, members, local, shards, layer.input_size).values()
+        ):
+            placements[member] = Placement(placement.module, rows, placement.in_features, placement.factor_rows,
+                                           placement.param_rows, placement.projection_cols)  # fmt: skip
+    return placements
+
+
+# --------------------------------------------------------------------------------------------------
+# Wire helpers: the server's /collective_rpc passes strings only
+
+
+def _to_wire(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _from_wire(data: bytes | str) -> bytes:
+    return base64.b64decode(data) if isinstance(data, str) else data
+
+
+def _save(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _load(data: bytes | str):
+    return torch.load(io.BytesIO(_from_wire(data)), weights_only=True, map_location="cpu")
+
+
+def _weights(weights) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(weights, (bytes, str)):
+        weights = _load(weights)
+    return list(weights.items()) if isinstance(weights, dict) else list(weights)
+
+
+@contextmanager
+def _quiet_reload_logs():
+    """A partial reload logs "Failed to load weights" for every layer it leaves alone (and puts back)."""
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+# --------------------------------------------------------------------------------------------------
+# Engine side
+
+
+class LoGRAWorkerExtension:
+    """Methods added to every vLLM worker; call them with ``collective_rpc("logra_…", args=…)``.
+
+    State lives in ``self._logra_state``: the update index the weights are at (``None`` until the
+    first full sync, and after a failed reload), the mode and, in reload mode, the shadow copies.
+    Every method returns plain JSON-able values, so the server's RPC endpoint can carry them.
+    """
+
+    def _logra(self) -> dict:
+        state = getattr(self, "_logra_state", None)
+        if state is None:
+            model = self.model_runner.model
+            placements = engine_placements(model)
+            layers = dict(model.named_modules())
+            inplace = all(
+                layers[p.module].weight.dim() == 2 and layers[p.module].weight.numel() > 0
+                and type(getattr(layers[p.module], "quant_method", None)).__name__ == "UnquantizedLinearMethod"
+                for p in placements.values()
+            )  # fmt: skip
+            state = {"index": None, "mode": "inplace" if inplace else "reload", "placements": placements,
+                     "shadows": {}, "shadow_dtype": torch.float32}  # fmt: skip
+            self._logra_state = state
+        return state
+
+    def _linear_module_of(self, name: str) -> str | None:
+        """The engine linear module a checkpoint tensor loads into (fused groups: the fused one)."""
+        module_path, _, _ = name.rpartition(".")
+        prefix, _, short = module_path.rpartition(".")
+        packed = getattr(self.model_runner.model, "packed_modules_mapping", {}) or {}
+        for fused, members in packed.items():
+            if short in members:
+                short = fused
+                break
+        fused_name = f"{prefix}.{short}" if prefix else short
+        placements = self._logra()["placements"]
+        modules = {p.module for p in placements.values()}
+        return fused_name if fused_name in modules else None
+
+    def _reload(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        with _quiet_reload_logs():
+            self.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+
+    def logra_full_sync(self, weights, update_index: int | str, shadow_dtype: str = "float32") -> dict:
+        """Load full checkpoint-format weights (all of the model, or a subset) and mark the engine as
+        being at ``update_index``. In reload mode, keep shadows of every linear layer's tensors."""
+        state = self._logra()
+        weights = _weights(weights)
+        started = time.perf_counter()
+        state["index"] = None  # until the load has succeeded
+        if state["mode"] == "reload":
+            state["shadow_dtype"] = getattr(torch, str(shadow_dtype))
+            self._reload(weights)
+            for name, tensor in weights:
+                if self._linear_module_of(name) is not None:
+                    state["shadows"][name] = tensor.detach().to("cpu", state["shadow_dtype"], copy=True)
+        else:
+            self.model_runner.model.load_weights(weights)
+        state["index"] = int(update_index)
+        return {"index": state["index"], "mode": state["mode"], "seconds": time.perf_counter() - started}
+
+    def logra_load(self, weights) -> dict:
+        """Load some checkpoint-format tensors (e.g. trainable non-targets) without touching the index.
+        In reload mode a linear layer's tensors also replace its shadows; send whole fused groups."""
+        state = self._logra()
+        if state["index"] is None:
+            raise RuntimeError("LoGRA sync: the engine has no synced weights yet; run a full sync first")
+        weights = _weights(weights)
+        if state["mode"] == "reload":
+            self._reload(weights)
+            for name, tensor in weights:
+                if name in state["shadows"]:
+                    state["shadows"][name] = tensor.detach().to("cpu", state["shadow_dtype"], copy=True)
+        else:
+            self.model_runner.model.load_weights(weights)
+        return {"index": state["index"], "tensors": len(weights)}
+
+    def _check(self, payload: SyncPayload) -> None:
+        """Everything that can go wrong, checked before any weight changes."""
+        state = self._logra()
+        if state["index"] is None:
+            raise PayloadError("LoGRA sync: the engine has no synced base weights; run a full sync first")
+        if payload.first_index != state["index"] + 1:
+            raise PayloadError(
+                f"LoGRA sync: payload starts at update {payload.first_index} but the engine is at update "
+                f"{state['index']} (expected {state['index'] + 1}); an update was skipped or repeated, run a full sync"
+            )
+        placements = state["placements"]
+        for update in payload.updates:
+            for target in update.targets:
+                placement = placements.get(target.name)
+                if placement is None:
+                    known = ", ".join(sorted(placements)[:4])
+                    raise PayloadError(
+                        f"LoGRA sync: update {update.index} names {target.name!r}, which is not a linear weight of "
+                        f"this engine (e.g. {known} …)"
+                    )
+                if (target.out_features, target.in_features) != (placement.out_features, placement.in_features):
+                    raise PayloadError(
+                        f"LoGRA sync: update {update.index}, {target.name!r}: the payload is for a "
+                        f"{target.out_features}×{target.in_features} matrix, the engine's is "
+                        f"{placement.out_features}×{placement.in_features}"
+                    )
+                if state["mode"] == "reload" and target.name not in state["shadows"]:
+                    raise PayloadError(f"LoGRA sync: no shadow copy of {target.name!r}; the full sync did not send it")
+
+    def logra_apply(self, payload) -> dict:
+        """Apply a :class:`SyncPayload` (bytes, or base64 over the server's RPC): ``W ← W − F A`` per
+        target and update, in order. A bad payload raises :class:`PayloadError` and changes nothing."""
+        started = time.perf_counter()
+        payload = SyncPayload.decode(_from_wire(payload)) if isinstance(payload, (bytes, str)) else payload
+        self._check(payload)
+        state = self._logra()
+        if state["mode"] == "reload":
+            self._apply_to_shadows(payload)
+        else:
+            self._apply_in_place(payload)
+        state["index"] = payload.last_index
+        return {"index": state["index"], "mode": state["mode"], "seconds": time.perf_counter() - started}
+
+    def _apply_to_shadows(self, payload: SyncPayload) -> None:
+        state = self._logra()
+        staged: dict[str, torch.Tensor] = {}
+        for update in payload.updates:
+            for target in update.targets:
+                if target.name not in staged:
+                    staged[target.name] = state["shadows"][target.name].clone()
+                merge_low_rank_(staged[target.name], target.factor, projection_of(payload, target),
+                                stochastic_rounding=False)  # fmt: skip
+        touched = {self._linear_module_of(name) for name in staged}
+        group = [(name, staged.get(name, shadow)) for name, shadow in state["shadows"].items()
+                 if self._linear_module_of(name) in touched]  # fmt: skip
+        try:
+            self._reload(group)
+        except BaseException:
+            state["index"] = None  # the engine may hold part of the update: only a full sync can tell
+            raise
+        state["shadows"].update(staged)
+
+    def _apply_in_place(self, payload: SyncPayload) -> None:
+        state = self._logra()
+        layers = dict(self.model_runner.model.named_modules())
+        for update in payload.updates:
+            for target in update.targets:
+                placement = state["placements"][target.name]
+                weight = layers[placement.module].weight.data
+                projection = projection_of(payload, target, device=weight.device)[:, placement.projection_cols]
+                factor = target.factor.to(weight.device)[placement.factor_rows]
+                merge_low_rank_(weight[placement.param_rows], factor, projection, stochastic_rounding=False)
+
+    def logra_checksums(self, names: str, seed: int | str) -> str:
+        """``{name: (row start, W_local p_local, partial)}`` for the requested HF matrices, base64 of
+        ``torch.save``. ``partial``: a row-parallel rank's share, to be summed over ranks."""
+        state = self._logra()
+        names, seed = json.loads(names), int(seed)
+        layers = dict(self.model_runner.model.named_modules())
+        result = {}
+        for name in names:
+            placement = state["placements"].get(name)
+            if placement is None:
+                raise PayloadError(f"LoGRA sync: {name!r} is not a linear weight of this engine")
+            probe = checksum_probe(projection_seed(seed, 0, name), placement.in_features)
+            if state["mode"] == "reload":
+                result[name] = (0, weight_checksum(state["shadows"][name], probe), False)
+                continue
+            weight = layers[placement.module].weight.data[placement.param_rows]
+            partial = placement.projection_cols != slice(0, placement.in_features)
+            local = weight_checksum(weight, probe[placement.projection_cols]).cpu()
+            result[name] = (placement.factor_rows.start, local, partial)
+        return _to_wire(_save(result))
+
+    def logra_status(self) -> dict:
+        state = self._logra()
+        shadow_bytes = sum(t.numel() * t.element_size() for t in state["shadows"].values())
+        return {"index": state["index"], "mode": state["mode"], "shadow_bytes": shadow_bytes,
+                "targets": len(state["placements"])}  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# Trainer side: transports
+
+
+class _Colocated:
+    """An ``LLM`` in this process: arguments travel as Python objects."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def call(self, method: str, *args) -> list:
+        return self.llm.collective_rpc(method, args=args)
+
+    def wire(self, data: bytes):
+        return data
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+
+class _Server:
+    """A vLLM OpenAI server started with ``--worker-extension-cls`` and ``VLLM_SERVER_DEV_MODE=1``."""
+
+    def __init__(self, url: str, timeout: float = 600.0):
+        self.url, self.timeout = url.rstrip("/"), timeout
+
+    def _post(self, path: str, body: dict | None = None):
+        request = urllib.request.Request(self.url + path, data=json.dumps(body or {}).encode(),
+                                         headers={"Content-Type": "application/json"}, method="POST")  # fmt: skip
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                text = response.read().decode()
+        except urllib.error.HTTPError as error:
+            raise RuntimeError(f"vLLM server {self.url}{path}: HTTP {error.code}: {error.read().decode()[:2000]}")
+        return json.loads(text) if text else None
+
+    def call(self, method: str, *args) -> list:
+        return self._post("/collective_rpc", {"method": method, "args": [str(a) for a in args]})["results"]
+
+    def wire(self, data: bytes) -> str:
+        return _to_wire(data)
+
+    def reset_prefix_cache(self) -> None:
+        self._post("/reset_prefix_cache")
+
+
+# --------------------------------------------------------------------------------------------------
+# Trainer side: the sync
+
+
+class VLLMSync:
+    """Keeps a vLLM engine's weights equal to the trainer's, sending ``(F, seed)`` per update.
+
+    Args:
+        optimizer: the :class:`~logra_optim.LoGRAOptimizer` whose updates are sent.
+        engine: an ``LLM`` built with ``worker_extension_cls=EXTENSION`` (colocated), or the base
+            URL of a vLLM server started with ``--worker-extension-cls`` and ``VLLM_SERVER_DEV_MODE=1``.
+        named_parameters: ``() -> iterable of (checkpoint name, tensor)`` giving the full weights
+            for a full sync (default: the optimizer's model, wrapper prefixes stripped). Under
+            FSDP/ZeRO-3 pass one that gathers them (TRL's does).
+        check_every: compare engine and trainer checksums every this many compressed syncs (0: never).
+        drift_bound: a relative weight difference above this triggers a full sync.
+        full_every: a full sync every this many syncs regardless (``None``: only when needed).
+        shadow_dtype: dtype of the engine's shadow copies in reload mode.
+        log: ``f(dict)`` called after every sync with its statistics (kind, bytes, seconds, drift).
+
+    Call :meth:`sync` whenever the engine must catch up (before generating). The first call, a call
+    after :meth:`mark_weights_discarded` (vLLM sleep level 2), every ``full_every``-th call and any
+    call after a drift check failed send full weights; the others send the pending payload, or full
+    weights when those would be smaller (many updates since the last sync).
+    """
+
+    def __init__(
+        self,
+        optimizer,
+        engine,
+        *,
+        named_parameters: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None,
+        check_every: int = 10,
+        drift_bound: float = 1e-3,
+        full_every: int | None = None,
+        shadow_dtype: torch.dtype = torch.float32,
+        log: Callable[[dict], None] | None = None,
+    ):
+        if not isinstance(check_every, int) or check_every < 0:
+            raise ValueError(f"check_every must be a non-negative integer, got {check_every!r}")
+        if full_every is not None and (not isinstance(full_every, int) or full_every < 1):
+            raise ValueError(f"full_every must be a positive integer or None, got {full_every!r}")
+        if not drift_bound > 0:
+            raise ValueError(f"drift_bound must be positive, got {drift_bound!r}")
+        self.optimizer = optimizer
+        self.engine = _Server(engine) if isinstance(engine, str) else _Colocated(engine)
+        self.named_parameters = named_parameters or self._model_parameters
+        self.check_every, self.drift_bound, self.full_every = check_every, drift_bound, full_every
+        self.shadow_dtype = str(shadow_dtype).removeprefix("torch.")
+        self.log = log
+        self.recorder = UpdateRecorder(optimizer)
+        self.needs_full = True
+        self.syncs = 0
+        self.compressed_since_check = 0
+        self.stats: dict[str, Any] = {}
+        self.history: list[dict] = []
+        model = optimizer._model
+        targets = {id(m.weight) for m in optimizer._modules}
+        self._non_targets = [(canonical_name(n), p) for n, p in model.named_parameters()
+                             if p.requires_grad and id(p) not in targets]  # fmt: skip
+        self._target_shapes = [layout.shape for layout in optimizer._layouts]
+        self._target_names = [t.canonical_name + ".weight" for t in optimizer._targets]
+
+    def _model_parameters(self):
+        for name, parameter in self.optimizer._model.named_parameters():
+            module, _, leaf = name.rpartition(".")
+            yield (canonical_name(module) + "." + leaf if module else leaf), parameter.detach()
+
+    def mark_weights_discarded(self) -> None:
+        """The engine dropped its weights (``LLM.sleep(level=2)``): the next sync is a full one."""
+        self.needs_full = True
+
+    def close(self) -> None:
+        self.recorder.close()
+
+    def full_sync(self) -> dict:
+        """Send every parameter; the engine is then at the optimizer's current update index."""
+        started = time.perf_counter()
+        weights = [(name, tensor.detach().to("cpu")) for name, tensor in self.named_parameters()]
+        data = _save(dict(weights))
+        self.engine.call("logra_full_sync", self.engine.wire(data), self.optimizer.update_index, self.shadow_dtype)
+        self.recorder.clear()
+        self.needs_full = False
+        self.compressed_since_check = 0
+        return self._finish("full", len(data), started)
+
+    def sync(self) -> dict:
+        """Bring the engine to the optimizer's current update (see the class docstring)."""
+        self.syncs += 1
+        if self.needs_full or (self.full_every is not None and self.syncs % self.full_every == 0):
+            return self.full_sync()
+        if self.recorder.pending_bytes > full_sync_bytes(self._target_shapes):
+            return self.full_sync()  # many updates since the last sync: full weights are smaller
+        started = time.perf_counter()
+        payload = self.recorder.drain()
+        sent = 0
+        if payload is not None:
+            data = payload.encode()
+            self.engine.call("logra_apply", self.engine.wire(data))
+            sent += len(data)
+        if self._non_targets:  # trainable non-targets (e.g. norms) are sent whole
+            data = _save({name: p.detach().to("cpu") for name, p in self._non_targets})
+            self.engine.call("logra_load", self.engine.wire(data))
+            sent += len(data)
+        stats = self._finish("compressed", sent, started)
+        self.compressed_since_check += 1
+        if self.check_every and self.compressed_since_check >= self.check_every:
+            self.compressed_since_check = 0
+            drift = self.drift()
+            stats["drift"] = drift
+            if drift > self.drift_bound:
+                warnings.warn(f"LoGRA sync: engine drift {drift:.3g} exceeds {self.drift_bound:.3g}; full sync",
+                              RuntimeWarning, stacklevel=2)  # fmt: skip
+                stats = {**self.full_sync(), "drift_before": drift}
+        return stats
+
+    @torch.no_grad()
+    def drift(self, seed: int | None = None) -> float:
+        """Largest relative difference ``‖W_engine − W_trainer‖/‖W‖`` over the targets, estimated from
+        one random matrix-vector product per target on each side (:func:`~logra_optim.sync.weight_checksum`)."""
+        seed = self.syncs if seed is None else seed
+        results = [_load(r) for r in self.engine.call("logra_checksums", json.dumps(self._target_names), seed)]
+        worst = 0.0
+        for name, module in zip(self._target_names, self.optimizer._modules):
+            weight = module.weight.detach()
+            probe = checksum_probe(projection_seed(seed, 0, name), weight.shape[1])
+            trainer = weight_checksum(weight.cpu(), probe)
+            engine = torch.zeros_like(trainer)
+            for result in results:
+                start, local, partial = result[name]
+                rows = slice(start, start + local.numel())
+                if partial:
+                    engine[rows] += local
+                else:
+                    engine[rows] = local
+            worst = max(worst, relative_drift(engine, trainer))
+        return worst
+
+    def _finish(self, kind: str, sent: int, started: float) -> dict:
+        self.engine.reset_prefix_cache()
+        self.stats = {"kind": kind, "bytes": sent, "seconds": time.perf_counter() - started,
+                      "update_index": self.optimizer.update_index}  # fmt: skip
+        self.history.append(self.stats)
+        if self.log is not None:
+            self.log(self.stats)
+        return self.stats

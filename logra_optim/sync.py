@@ -1,0 +1,259 @@
+"""The sync payload: what a rollout engine needs to follow LoGRA's updates without full weights.
+
+METHOD.md §4. A LoGRA update of a target is ``W ← W − F A`` with ``F = α η U`` (d×r) and ``A``
+(r×k) regenerated from a seed. A rollout engine holding its own copy of ``W`` needs only ``F`` and
+the seed: ``d·r`` numbers instead of ``d·k``, i.e. ``r/k`` of a full sync. The trainer merges the
+very factor it sends (``LoGRAOptimizer(wire_dtype=torch.bfloat16)`` rounds ``F`` before merging), so
+both sides apply the same update; the remaining difference is the arithmetic of the two merges and
+the engine's storage dtype, which :func:`weight_checksum` lets a caller measure.
+
+Format, version 1 (``PAYLOAD_VERSION``). :meth:`SyncPayload.encode` writes a plain dict with
+``torch.save``; only tensors, numbers and strings, so ``torch.load(weights_only=True)`` reads it::
+
+    {
+      "format": "logra-sync", "version": 1,
+      "rank": r, "projection": "rademacher" | "gaussian",
+      "updates": [                       # consecutive update indices, oldest first
+        {"index": u,                     # the optimizer's update counter after this update (1-based)
+         "targets": [
+           {"name": "model.layers.0.self_attn.q_proj.weight",  # the HF parameter name
+            "seed": s,                   # projection seed of this target for this update (63-bit)
+            "in_features": k,
+            "factor": F},                # d×r, the wire dtype (bf16 by default), contiguous
+           ...]},
+        ...]
+    }
+
+``A = make_projection(seed, r, in_features, projection)``: bit-identical on every machine (see
+:mod:`.projection`), so the seed is all the engine needs to rebuild it.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .projection import PROJECTIONS, make_projection
+
+PAYLOAD_FORMAT = "logra-sync"
+PAYLOAD_VERSION = 1
+_MAX_SEED = 2**63
+
+
+class PayloadError(ValueError):
+    """A sync payload that is malformed or does not fit the weights it is applied to."""
+
+
+@dataclass(frozen=True)
+class TargetUpdate:
+    """One target's share of one update: ``W[name] ← W[name] − factor · A(seed)``."""
+
+    name: str
+    seed: int
+    in_features: int
+    factor: torch.Tensor
+
+    @property
+    def out_features(self) -> int:
+        return self.factor.shape[0]
+
+
+@dataclass(frozen=True)
+class Update:
+    """Everything one optimizer step changed; ``index`` is the update counter after it (1-based)."""
+
+    index: int
+    targets: tuple[TargetUpdate, ...]
+
+
+@dataclass(frozen=True)
+class SyncPayload:
+    """Consecutive updates for an engine whose weights are at update ``updates[0].index − 1``."""
+
+    rank: int
+    projection: str
+    updates: tuple[Update, ...]
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @property
+    def first_index(self) -> int:
+        return self.updates[0].index
+
+    @property
+    def last_index(self) -> int:
+        return self.updates[-1].index
+
+    @property
+    def factor_bytes(self) -> int:
+        """Bytes of the factors alone (the encoded payload adds a little metadata)."""
+        return sum(t.factor.numel() * t.factor.element_size() for u in self.updates for t in u.targets)
+
+    def to_dict(self) -> dict:
+        return {
+            "format": PAYLOAD_FORMAT,
+            "version": PAYLOAD_VERSION,
+            "rank": self.rank,
+            "projection": self.projection,
+            "updates": [
+                {
+                    "index": u.index,
+                    "targets": [
+                        {"name": t.name, "seed": t.seed, "in_features": t.in_features, "factor": t.factor}
+                        for t in u.targets
+                    ],
+                }
+                for u in self.updates
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SyncPayload:
+        if not isinstance(data, dict) or data.get("format") != PAYLOAD_FORMAT:
+            raise PayloadError(f"not a LoGRA sync payload: expected format {PAYLOAD_FORMAT!r}")
+        if data.get("version") != PAYLOAD_VERSION:
+            raise PayloadError(
+                f"sync payload version {data.get('version')!r} is not supported: this side reads version "
+                f"{PAYLOAD_VERSION}; update logra-optim on the trainer and the engine to the same release"
+            )
+        try:
+            updates = tuple(
+                Update(
+                    int(u["index"]),
+                    tuple(TargetUpdate(str(t["name"]), int(t["seed"]), int(t["in_features"]), t["factor"])
+                          for t in u["targets"]),  # fmt: skip
+                )
+                for u in data["updates"]
+            )
+            return cls(int(data["rank"]), str(data["projection"]), updates)
+        except (KeyError, TypeError) as error:
+            raise PayloadError(f"malformed sync payload: missing or mistyped field ({error})") from error
+
+    def encode(self) -> bytes:
+        buffer = io.BytesIO()
+        torch.save(self.to_dict(), buffer)
+        return buffer.getvalue()
+
+    @classmethod
+    def decode(cls, data: bytes) -> SyncPayload:
+        try:
+            loaded = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        except Exception as error:  # torch raises several types for corrupt archives
+            raise PayloadError(f"sync payload cannot be decoded: {error}") from error
+        return cls.from_dict(loaded)
+
+
+def _validate(payload: SyncPayload) -> None:
+    """Everything that can be checked without the engine's weights."""
+    if not isinstance(payload.rank, int) or payload.rank <= 0:
+        raise PayloadError(f"sync payload rank must be a positive integer, got {payload.rank!r}")
+    if payload.projection not in PROJECTIONS:
+        raise PayloadError(f"sync payload projection must be one of {PROJECTIONS}, got {payload.projection!r}")
+    if not payload.updates:
+        raise PayloadError("sync payload has no updates")
+    for previous, update in zip(payload.updates, payload.updates[1:]):
+        if update.index != previous.index + 1:
+            raise PayloadError(f"sync payload skips from update {previous.index} to {update.index}")
+    for update in payload.updates:
+        names = [t.name for t in update.targets]
+        if len(set(names)) != len(names):
+            raise PayloadError(f"update {update.index} names a target twice")
+        for target in update.targets:
+            factor = target.factor
+            where = f"update {update.index}, target {target.name!r}"
+            if not isinstance(factor, torch.Tensor) or not factor.is_floating_point() or factor.dim() != 2:
+                raise PayloadError(f"{where}: factor must be a 2-D floating tensor")
+            if factor.shape[1] != payload.rank or factor.shape[0] == 0:
+                raise PayloadError(f"{where}: factor has shape {tuple(factor.shape)}, expected (d, {payload.rank})")
+            if target.in_features < payload.rank:
+                raise PayloadError(f"{where}: in_features {target.in_features} is below the rank {payload.rank}")
+            if not 0 <= target.seed < _MAX_SEED:
+                raise PayloadError(f"{where}: seed {target.seed} is outside [0, 2**63)")
+            if not bool(torch.isfinite(factor).all()):
+                raise PayloadError(f"{where}: factor is not finite")
+
+
+def projection_of(payload: SyncPayload, target: TargetUpdate, device=None) -> torch.Tensor:
+    """``A`` (r×k, fp32) of one target update: the matrix the trainer merged with."""
+    return make_projection(target.seed, payload.rank, target.in_features, payload.projection, device=device)
+
+
+def full_sync_bytes(shapes: list[tuple[int, int]], dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes of a full sync of matrices of these shapes in ``dtype`` (the comparison for ``r/k``)."""
+    return sum(d * k for d, k in shapes) * torch.empty((), dtype=dtype).element_size()
+
+
+# --------------------------------------------------------------------------------------------------
+# Drift: a cheap fingerprint of a weight, comparable across processes
+
+
+def checksum_probe(seed: int, in_features: int, device=None) -> torch.Tensor:
+    """A fixed Gaussian vector ``p ∈ R^k`` (float64) with ``E[ppᵀ] = I``."""
+    return make_projection(seed, 1, in_features, "gaussian", device=device).double().reshape(-1)
+
+
+def weight_checksum(weight: torch.Tensor, probe: torch.Tensor) -> torch.Tensor:
+    """``W p`` in float64: one matrix-vector product instead of moving ``W``.
+
+    For two copies ``W``, ``W'`` of a weight, ``‖(W − W') p‖ / ‖W p‖`` is an unbiased estimate (in
+    the squared sense) of the relative Frobenius difference ``‖W − W'‖ / ‖W‖``.
+    """
+    return weight.to(torch.float64) @ probe.to(weight.device)
+
+
+def relative_drift(engine: torch.Tensor, trainer: torch.Tensor) -> float:
+    """``‖c_engine − c_trainer‖ / ‖c_trainer‖`` for two checksums of the same weight."""
+    reference = float(torch.linalg.vector_norm(trainer))
+    difference = float(torch.linalg.vector_norm(engine.to(trainer.dtype).cpu() - trainer.cpu()))
+    return difference / reference if reference > 0 else (0.0 if difference == 0 else math.inf)
+
+
+# --------------------------------------------------------------------------------------------------
+# Trainer side: collect the updates since the last sync
+
+
+class UpdateRecorder:
+    """Collects every update a :class:`~logra_optim.LoGRAOptimizer` merges, until :meth:`drain`.
+
+    Args:
+        optimizer: the optimizer to listen to (via ``register_merge_hook``).
+        rename: maps the trainer's parameter names to the engine's checkpoint names (e.g. strips a
+            wrapper prefix); applied when recording.
+    """
+
+    def __init__(self, optimizer, rename=None):
+        self.rank = optimizer.rank
+        self.projection = optimizer.projection
+        self.rename = rename or (lambda name: name)
+        self.pending: list[Update] = []
+        self._handle = optimizer.register_merge_hook(self._record)
+
+    def _record(self, optimizer, update: Update) -> None:
+        targets = tuple(
+            TargetUpdate(self.rename(t.name), t.seed, t.in_features, t.factor.detach().to("cpu")) for t in update.targets
+        )
+        self.pending.append(Update(update.index, targets))
+
+    @property
+    def pending_bytes(self) -> int:
+        return sum(t.factor.numel() * t.factor.element_size() for u in self.pending for t in u.targets)
+
+    def drain(self) -> SyncPayload | None:
+        """The pending updates as one payload (``None`` if there are none); clears them."""
+        if not self.pending:
+            return None
+        payload = SyncPayload(self.rank, self.projection, tuple(self.pending))
+        self.pending = []
+        return payload
+
+    def clear(self) -> None:
+        """Forget pending updates (a full sync has superseded them)."""
+        self.pending = []
+
+    def close(self) -> None:
+        self._handle.remove()
+        self.pending = []
