@@ -112,7 +112,9 @@ class LoGRACallback(TrainerCallback):
         return logs
 
 
-def attach_logra(trainer: Trainer, *, target_modules=None, **optimizer_kwargs: Any) -> LoGRACallback:
+def attach_logra(
+    trainer: Trainer, *, target_modules=None, vllm_sync: str | dict = "compressed", **optimizer_kwargs: Any
+) -> LoGRACallback:
     """Make ``trainer`` train with :class:`LoGRAOptimizer`; call before ``trainer.train()``.
 
     ``optimizer_kwargs`` go to :class:`LoGRAOptimizer` (``rank``, ``kl_budget``, ``optimizer``,
@@ -122,6 +124,12 @@ def attach_logra(trainer: Trainer, *, target_modules=None, **optimizer_kwargs: A
     schedule scales ``update_ratio`` (or ``lr``); ``max_grad_norm`` is disabled (no dense gradient
     exists to clip; the step size is set by ``kl_budget``/``update_ratio``). Returns the callback
     that logs LoGRA's statistics.
+
+    With ``use_vllm=True`` in colocate mode, ``vllm_sync="compressed"`` (default) replaces the
+    trainer's full-weight ``sync_weights`` with :class:`~logra_optim.integrations.vllm.VLLMSync`:
+    each sync sends the factors ``(F, seed)`` merged since the last one (the first sends full weights),
+    with drift checks; a dict instead gives ``VLLMSync`` options (``check_every``, ``drift_bound``,
+    ``full_every``). ``"full"`` keeps the trainer's own full sync. Logged as ``logra/sync_*``.
     """
     if not isinstance(trainer, Trainer):
         raise TypeError(
@@ -134,6 +142,9 @@ def attach_logra(trainer: Trainer, *, target_modules=None, **optimizer_kwargs: A
         inspect.signature(LoGRAOptimizer).bind(trainer.model, **optimizer_kwargs)
     except TypeError as error:
         raise TypeError(f"attach_logra: invalid LoGRAOptimizer options: {error}") from None
+    if not (vllm_sync in ("compressed", "full") or isinstance(vllm_sync, dict)):
+        raise ValueError(f"attach_logra: vllm_sync must be 'compressed', 'full' or a dict of VLLMSync options, "
+                         f"got {vllm_sync!r}")  # fmt: skip
     if trainer.optimizer is not None:
         raise RuntimeError(
             "attach_logra: the trainer already has an optimizer (passed through optimizers=(...) or already "
@@ -171,10 +182,54 @@ def attach_logra(trainer: Trainer, *, target_modules=None, **optimizer_kwargs: A
                 return LoGRAOptimizer(_unwrap(model), **kwargs)
 
         trainer.optimizer_cls_and_kwargs = (LoGRAOptimizerFactory, optimizer_kwargs)
+    if vllm_sync != "full" and getattr(trainer, "use_vllm", False):
+        _use_compressed_vllm_sync(trainer, callback, {} if vllm_sync == "compressed" else dict(vllm_sync))
     trainer.add_callback(callback)
     _feed_mismatch_from_batches(trainer, callback)
     _add_stats_to_logs(trainer, callback)
     return callback
+
+
+def _use_compressed_vllm_sync(trainer: Trainer, callback: LoGRACallback, options: dict) -> None:
+    """Replace ``trainer.vllm_generation.sync_weights`` (TRL's full sync, run before generating
+    whenever the weights changed) with a compressed one. Full weights still go through TRL's own
+    gathering iterator (FSDP, ZeRO-3), renamed for vLLM."""
+    from logra_optim.integrations.vllm import VLLMSync
+
+    generation = getattr(trainer, "vllm_generation", None)
+    if generation is None:
+        return
+    if generation.mode != "colocate":
+        warnings.warn(
+            "attach_logra: compressed vLLM sync needs vllm_mode='colocate' (TRL's server, `trl vllm-serve`, only "
+            "accepts full weights); keeping TRL's full sync. For a server, use VLLMSync with a vLLM server started "
+            "with --worker-extension-cls logra_optim.integrations.vllm.LoGRAWorkerExtension",
+            stacklevel=3,
+        )
+        return
+    full_sync = generation.sync_weights
+    holder: dict[str, VLLMSync] = {}
+
+    def sync_weights():
+        optimizer = callback.optimizer
+        if optimizer is None:  # no LoGRA optimizer yet: nothing to record updates from
+            return full_sync()
+        sync = holder.get("sync")
+        if sync is None or sync.optimizer is not optimizer:
+            sync = holder["sync"] = VLLMSync(optimizer, generation.llm, named_parameters=generation._iter_named_params,
+                                             **options)  # fmt: skip
+        if generation.enable_sleep_mode:  # TRL sleeps at level 2 after generating: the weights are gone
+            generation.llm.wake_up(tags=["weights"])
+            generation._llm_weights_sleeping = False
+            sync.mark_weights_discarded()
+        stats = sync.sync()
+        for key in ("bytes", "seconds", "drift"):
+            if key in stats:
+                callback.pending.setdefault(f"logra/sync_{key}", []).append(float(stats[key]))
+        callback.pending.setdefault("logra/sync_full", []).append(float(stats["kind"] == "full"))
+
+    generation.sync_weights = sync_weights
+    callback.vllm_sync = holder
 
 
 def _attach_beside_deepspeed(trainer: Trainer, callback: LoGRACallback, optimizer_kwargs: dict) -> None:

@@ -56,7 +56,7 @@ from logra_optim.sync import (
 )
 from logra_optim.updates import merge_low_rank_
 
-__all__ = ["EXTENSION", "LoGRAWorkerExtension", "Placement", "VLLMSync", "attach_vllm_sync"]
+__all__ = ["EXTENSION", "EngineUpdater", "LoGRAWorkerExtension", "Placement", "VLLMSync"]
 
 EXTENSION = "logra_optim.integrations.vllm.LoGRAWorkerExtension"
 
@@ -204,16 +204,20 @@ def _quiet_reload_logs():
 # Engine side
 
 
-class LoGRAWorkerExtension:
-    """Methods added to every vLLM worker; call them with ``collective_rpc("logra_…", args=…)``.
+class EngineUpdater:
+    """The engine side of the sync, one per vLLM worker (kept on the worker, see :func:`_updater`).
 
-    State lives in ``self._logra_state``: the update index the weights are at (``None`` until the
-    first full sync, and after a failed reload), the mode and, in reload mode, the shadow copies.
-    Every method returns plain JSON-able values, so the server's RPC endpoint can carry them.
+    ``state``: the update index the weights are at (``None`` until the first full sync, and after a
+    failed reload), the mode and, in reload mode, the shadow copies. Every public method returns
+    plain JSON-able values, so the server's RPC endpoint can carry them.
     """
 
+    def __init__(self, worker):
+        self.worker, self.model_runner = worker, worker.model_runner
+        self._state = None
+
     def _logra(self) -> dict:
-        state = getattr(self, "_logra_state", None)
+        state = self._state
         if state is None:
             model = self.model_runner.model
             placements = engine_placements(model)
@@ -225,7 +229,7 @@ class LoGRAWorkerExtension:
             )  # fmt: skip
             state = {"index": None, "mode": "inplace" if inplace else "reload", "placements": placements,
                      "shadows": {}, "shadow_dtype": torch.float32}  # fmt: skip
-            self._logra_state = state
+            self._state = state
         return state
 
     def _linear_module_of(self, name: str) -> str | None:
@@ -244,9 +248,9 @@ class LoGRAWorkerExtension:
 
     def _reload(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         with _quiet_reload_logs():
-            self.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+            self.worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
 
-    def logra_full_sync(self, weights, update_index: int | str, shadow_dtype: str = "float32") -> dict:
+    def full_sync(self, weights, update_index: int | str, shadow_dtype: str = "float32") -> dict:
         """Load full checkpoint-format weights (all of the model, or a subset) and mark the engine as
         being at ``update_index``. In reload mode, keep shadows of every linear layer's tensors."""
         state = self._logra()
@@ -264,7 +268,7 @@ class LoGRAWorkerExtension:
         state["index"] = int(update_index)
         return {"index": state["index"], "mode": state["mode"], "seconds": time.perf_counter() - started}
 
-    def logra_load(self, weights) -> dict:
+    def load(self, weights) -> dict:
         """Load some checkpoint-format tensors (e.g. trainable non-targets) without touching the index.
         In reload mode a linear layer's tensors also replace its shadows; send whole fused groups."""
         state = self._logra()
@@ -309,7 +313,7 @@ class LoGRAWorkerExtension:
                 if state["mode"] == "reload" and target.name not in state["shadows"]:
                     raise PayloadError(f"LoGRA sync: no shadow copy of {target.name!r}; the full sync did not send it")
 
-    def logra_apply(self, payload) -> dict:
+    def apply(self, payload) -> dict:
         """Apply a :class:`SyncPayload` (bytes, or base64 over the server's RPC): ``W ← W − F A`` per
         target and update, in order. A bad payload raises :class:`PayloadError` and changes nothing."""
         started = time.perf_counter()
@@ -353,7 +357,7 @@ class LoGRAWorkerExtension:
                 factor = target.factor.to(weight.device)[placement.factor_rows]
                 merge_low_rank_(weight[placement.param_rows], factor, projection, stochastic_rounding=False)
 
-    def logra_checksums(self, names: str, seed: int | str) -> str:
+    def checksums(self, names: str, seed: int | str) -> str:
         """``{name: (row start, W_local p_local, partial)}`` for the requested HF matrices, base64 of
         ``torch.save``. ``partial``: a row-parallel rank's share, to be summed over ranks."""
         state = self._logra()
@@ -374,15 +378,71 @@ class LoGRAWorkerExtension:
             result[name] = (placement.factor_rows.start, local, partial)
         return _to_wire(_save(result))
 
-    def logra_status(self) -> dict:
+    def status(self) -> dict:
         state = self._logra()
         shadow_bytes = sum(t.numel() * t.element_size() for t in state["shadows"].values())
         return {"index": state["index"], "mode": state["mode"], "shadow_bytes": shadow_bytes,
                 "targets": len(state["placements"])}  # fmt: skip
 
 
+def _updater(worker) -> EngineUpdater:
+    """The worker's :class:`EngineUpdater`. ``collective_rpc`` hands a callable either the worker or
+    its wrapper (which forwards attribute reads to it); the updater is always kept on the worker."""
+    worker = getattr(worker, "worker", None) or worker
+    updater = getattr(worker, "_logra_updater", None)
+    if updater is None:
+        updater = EngineUpdater(worker)
+        worker._logra_updater = updater
+    return updater
+
+
+def rpc_full_sync(worker, weights, update_index, shadow_dtype="float32") -> dict:
+    return _updater(worker).full_sync(weights, update_index, shadow_dtype)
+
+
+def rpc_load(worker, weights) -> dict:
+    return _updater(worker).load(weights)
+
+
+def rpc_apply(worker, payload) -> dict:
+    return _updater(worker).apply(payload)
+
+
+def rpc_checksums(worker, names, seed) -> str:
+    return _updater(worker).checksums(names, seed)
+
+
+def rpc_status(worker) -> dict:
+    return _updater(worker).status()
+
+
+class LoGRAWorkerExtension:
+    """Methods added to every vLLM worker by ``worker_extension_cls`` (needed for a server, whose
+    ``/collective_rpc`` takes method names; an in-process ``LLM`` can run the ``rpc_*`` functions
+    without it). Call with ``collective_rpc("logra_apply", args=(payload,))`` etc."""
+
+    def logra_full_sync(self, weights, update_index, shadow_dtype="float32") -> dict:
+        return rpc_full_sync(self, weights, update_index, shadow_dtype)
+
+    def logra_load(self, weights) -> dict:
+        return rpc_load(self, weights)
+
+    def logra_apply(self, payload) -> dict:
+        return rpc_apply(self, payload)
+
+    def logra_checksums(self, names, seed) -> str:
+        return rpc_checksums(self, names, seed)
+
+    def logra_status(self) -> dict:
+        return rpc_status(self)
+
+
 # --------------------------------------------------------------------------------------------------
 # Trainer side: transports
+
+
+_RPC = {"logra_full_sync": rpc_full_sync, "logra_load": rpc_load, "logra_apply": rpc_apply,
+        "logra_checksums": rpc_checksums, "logra_status": rpc_status}  # fmt: skip
 
 
 class _Colocated:
@@ -392,10 +452,13 @@ class _Colocated:
         self.llm = llm
 
     def call(self, method: str, *args) -> list:
-        return self.llm.collective_rpc(method, args=args)
+        return self.llm.collective_rpc(_RPC[method], args=args)
 
     def wire(self, data: bytes):
         return data
+
+    def wire_weights(self, weights: list[tuple[str, torch.Tensor]]) -> tuple[Any, int]:
+        return weights, sum(t.numel() * t.element_size() for _, t in weights)
 
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()
@@ -423,6 +486,10 @@ class _Server:
     def wire(self, data: bytes) -> str:
         return _to_wire(data)
 
+    def wire_weights(self, weights: list[tuple[str, torch.Tensor]]) -> tuple[str, int]:
+        data = _to_wire(_save(dict(weights)))
+        return data, len(data)
+
     def reset_prefix_cache(self) -> None:
         self._post("/reset_prefix_cache")
 
@@ -436,8 +503,8 @@ class VLLMSync:
 
     Args:
         optimizer: the :class:`~logra_optim.LoGRAOptimizer` whose updates are sent.
-        engine: an ``LLM`` built with ``worker_extension_cls=EXTENSION`` (colocated), or the base
-            URL of a vLLM server started with ``--worker-extension-cls`` and ``VLLM_SERVER_DEV_MODE=1``.
+        engine: an ``LLM`` in this process (colocated; no worker extension needed), or the base URL
+            of a vLLM server started with ``--worker-extension-cls`` and ``VLLM_SERVER_DEV_MODE=1``.
         named_parameters: ``() -> iterable of (checkpoint name, tensor)`` giving the full weights
             for a full sync (default: the optimizer's model, wrapper prefixes stripped). Under
             FSDP/ZeRO-3 pass one that gathers them (TRL's does).
@@ -505,13 +572,14 @@ class VLLMSync:
     def full_sync(self) -> dict:
         """Send every parameter; the engine is then at the optimizer's current update index."""
         started = time.perf_counter()
-        weights = [(name, tensor.detach().to("cpu")) for name, tensor in self.named_parameters()]
-        data = _save(dict(weights))
-        self.engine.call("logra_full_sync", self.engine.wire(data), self.optimizer.update_index, self.shadow_dtype)
+        # Copies: a gathering iterator (ZeRO-3, FSDP) frees a parameter's full data after yielding it.
+        weights = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in self.named_parameters()]
+        data, sent = self.engine.wire_weights(weights)
+        self.engine.call("logra_full_sync", data, self.optimizer.update_index, self.shadow_dtype)
         self.recorder.clear()
         self.needs_full = False
         self.compressed_since_check = 0
-        return self._finish("full", len(data), started)
+        return self._finish("full", sent, started)
 
     def sync(self) -> dict:
         """Bring the engine to the optimizer's current update (see the class docstring)."""
@@ -524,13 +592,13 @@ class VLLMSync:
         payload = self.recorder.drain()
         sent = 0
         if payload is not None:
-            data = payload.encode()
-            self.engine.call("logra_apply", self.engine.wire(data))
+            data = self.engine.wire(payload.encode())
+            self.engine.call("logra_apply", data)
             sent += len(data)
         if self._non_targets:  # trainable non-targets (e.g. norms) are sent whole
-            data = _save({name: p.detach().to("cpu") for name, p in self._non_targets})
-            self.engine.call("logra_load", self.engine.wire(data))
-            sent += len(data)
+            data, size = self.engine.wire_weights([(n, p.detach().to("cpu", copy=True)) for n, p in self._non_targets])
+            self.engine.call("logra_load", data)
+            sent += size
         stats = self._finish("compressed", sent, started)
         self.compressed_since_check += 1
         if self.check_every and self.compressed_since_check >= self.check_every:

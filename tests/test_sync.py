@@ -1,0 +1,266 @@
+"""The sync payload (format, validation, round trip), the optimizer's merge hook, the engine
+placements of fused and tensor-parallel layers, and the drift checksum; float64 references.
+No vLLM needed here: the engine tests are in test_vllm.py."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from logra_optim import LoGRAOptimizer, make_projection, patch_model, projection_seed
+from logra_optim.integrations.vllm import column_parallel_placements, row_parallel_placement
+from logra_optim.sync import (
+    PAYLOAD_VERSION,
+    PayloadError,
+    SyncPayload,
+    TargetUpdate,
+    Update,
+    UpdateRecorder,
+    checksum_probe,
+    projection_of,
+    relative_drift,
+    weight_checksum,
+)
+from tiny import TwoLinear, tiny_qwen2
+
+
+def _payload(first=1, updates=2, rank=3, shapes=((5, 7), (4, 6)), dtype=torch.bfloat16, seed=0) -> SyncPayload:
+    generator = torch.Generator().manual_seed(seed)
+    return SyncPayload(
+        rank,
+        "rademacher",
+        tuple(
+            Update(first + u, tuple(
+                TargetUpdate(f"layer{i}.weight", 1000 * u + i, k, torch.randn(d, rank, generator=generator).to(dtype))
+                for i, (d, k) in enumerate(shapes)))
+            for u in range(updates)
+        ),
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# Format
+
+
+@given(
+    first=st.integers(1, 10**6),
+    updates=st.integers(1, 3),
+    rank=st.integers(1, 4),
+    shapes=st.lists(st.tuples(st.integers(1, 9), st.integers(4, 9)), min_size=1, max_size=3),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+)
+def test_payload_round_trip_is_exact(first, updates, rank, shapes, dtype):
+    payload = _payload(first, updates, rank, tuple(shapes), dtype)
+    data = payload.encode()
+    loaded = torch.load(io.BytesIO(data), weights_only=True)  # plain tensors, numbers and strings
+    assert loaded["format"] == "logra-sync" and loaded["version"] == PAYLOAD_VERSION
+    decoded = SyncPayload.decode(data)
+    assert (decoded.rank, decoded.projection, decoded.first_index, decoded.last_index) == (
+        rank, "rademacher", first, first + updates - 1)  # fmt: skip
+    for a, b in zip(payload.updates, decoded.updates):
+        assert a.index == b.index
+        for x, y in zip(a.targets, b.targets):
+            assert (x.name, x.seed, x.in_features) == (y.name, y.seed, y.in_features)
+            assert x.factor.dtype == y.factor.dtype and torch.equal(x.factor, y.factor)
+    # the factors dominate: metadata is a few hundred bytes per target plus a fixed header
+    assert payload.factor_bytes < len(data) < payload.factor_bytes + 1500 + 400 * len(shapes) * updates
+
+
+def test_projection_of_payload_is_the_seeded_projection():
+    payload = _payload()
+    target = payload.updates[1].targets[0]
+    assert torch.equal(projection_of(payload, target), make_projection(target.seed, 3, 7, "rademacher"))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda d: d.update(version=PAYLOAD_VERSION + 1), "version"),
+        (lambda d: d.update(format="something-else"), "not a LoGRA sync payload"),
+        (lambda d: d["updates"][1].update(index=d["updates"][0]["index"] + 2), "skips from update 1 to 3"),
+        (lambda d: d["updates"][0]["targets"][0].update(factor=torch.full((5, 3), float("nan"))), "not finite"),
+        (lambda d: d["updates"][0]["targets"][0].update(factor=torch.ones(5, 2)), r"expected \(d, 3\)"),
+        (lambda d: d["updates"][0]["targets"][1].update(name="layer0.weight"), "names a target twice"),
+        (lambda d: d["updates"][0]["targets"][0].update(seed=-1), "seed"),
+        (lambda d: d.update(projection="sparse"), "projection must be one of"),
+        (lambda d: d.update(updates=[]), "no updates"),
+        (lambda d: d["updates"][0]["targets"][0].pop("factor"), "missing or mistyped"),
+    ],
+)
+def test_bad_payloads_are_rejected_with_the_reason(change, message):
+    data = _payload().to_dict()
+    change(data)
+    buffer = io.BytesIO()
+    torch.save(data, buffer)
+    with pytest.raises(PayloadError, match=message):
+        SyncPayload.decode(buffer.getvalue())
+
+
+def test_corrupt_bytes_are_rejected():
+    with pytest.raises(PayloadError, match="cannot be decoded"):
+        SyncPayload.decode(b"not a payload")
+
+
+# --------------------------------------------------------------------------------------------------
+# The optimizer sends exactly what it merges
+
+
+@pytest.mark.parametrize("wire_dtype", [torch.bfloat16, None])
+def test_merge_hook_reports_exactly_the_merged_update(wire_dtype):
+    model = patch_model(TwoLinear(), target_modules=["up", "down"])
+    optimizer = LoGRAOptimizer(model, rank=3, update_ratio=1e-2, wire_dtype=wire_dtype, seed=5)
+    recorder = UpdateRecorder(optimizer)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(3):
+        before = {n: m.weight.detach().double().clone() for n, m in model.named_modules() if hasattr(m, "_logra")}
+        model(torch.randn(6, 12, generator=generator)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        payload = recorder.drain()
+        assert payload is not None and payload.first_index == payload.last_index == step + 1
+        for target in payload.updates[0].targets:
+            module = target.name.removesuffix(".weight")
+            assert target.seed == projection_seed(5, step, module)
+            assert target.factor.dtype == (wire_dtype or torch.float32)
+            expected = before[module] - target.factor.double() @ projection_of(payload, target).double()
+            weight = dict(model.named_modules())[module].weight.detach().double()
+            torch.testing.assert_close(weight, expected, rtol=0, atol=1e-6)
+    recorder.close()
+    model(torch.randn(6, 12)).square().sum().backward()
+    optimizer.step()
+    assert recorder.drain() is None and not optimizer._merge_hooks
+
+
+def test_recorder_keeps_consecutive_updates_until_drained():
+    model = tiny_qwen2()
+    patch_model(model)
+    optimizer = LoGRAOptimizer(model, rank=4, update_ratio=1e-3)
+    recorder = UpdateRecorder(optimizer, rename=lambda name: "engine." + name)
+    for _ in range(3):
+        ids = torch.randint(0, 128, (2, 8))
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    payload = recorder.drain()
+    assert [u.index for u in payload.updates] == [1, 2, 3]
+    names = {t.name for t in payload.updates[0].targets}
+    assert "engine.model.layers.0.self_attn.q_proj.weight" in names and len(names) == 14  # 7 families × 2 layers
+    assert recorder.drain() is None
+
+
+def test_skipped_step_sends_nothing():
+    model = patch_model(TwoLinear(), target_modules=["up", "down"])
+    optimizer = LoGRAOptimizer(model, rank=3, update_ratio=1e-2)
+    recorder = UpdateRecorder(optimizer)
+    model(torch.randn(6, 12)).square().sum().backward()
+    model.up._logra.sketch.fill_(float("nan"))
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        optimizer.step()
+    assert recorder.drain() is None
+
+
+# --------------------------------------------------------------------------------------------------
+# Fused and tensor-parallel placements against a per-head reference
+
+
+def _qkv_local_reference(q, k, v, heads, kv_heads, head_dim, tp_rank, tp_size):
+    """vLLM's QKVParallelLinear shard of rank ``tp_rank``, built head by head: q heads split evenly,
+    KV heads split evenly or, with fewer KV heads than ranks, each replicated on tp/KV ranks."""
+    per_rank = heads // tp_size
+    q_heads = range(tp_rank * per_rank, (tp_rank + 1) * per_rank)
+    if tp_size >= kv_heads:
+        kv_owned = [tp_rank // (tp_size // kv_heads)]
+    else:
+        kv_per_rank = kv_heads // tp_size
+        kv_owned = range(tp_rank * kv_per_rank, (tp_rank + 1) * kv_per_rank)
+    rows = lambda m, owned: torch.cat([m[h * head_dim : (h + 1) * head_dim] for h in owned])  # noqa: E731
+    return torch.cat([rows(q, q_heads), rows(k, kv_owned), rows(v, kv_owned)])
+
+
+@given(
+    tp_size=st.sampled_from([1, 2, 4]),
+    heads_per_rank=st.integers(1, 2),
+    kv_heads=st.sampled_from([1, 2, 4, 8]),
+    head_dim=st.sampled_from([2, 3]),
+    hidden=st.integers(4, 9),
+    rank=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+)
+def test_fused_qkv_placements_match_dense_reference(tp_size, heads_per_rank, kv_heads, head_dim, hidden, rank, seed):
+    heads = heads_per_rank * tp_size
+    if kv_heads > heads or (tp_size >= kv_heads and tp_size % kv_heads) or (tp_size < kv_heads and kv_heads % tp_size):
+        return  # not a valid attention geometry
+    rank = min(rank, hidden)
+    generator = torch.Generator().manual_seed(seed)
+    dense = {m: torch.randn(n * head_dim, hidden, generator=generator, dtype=torch.float64)
+             for m, n in (("q", heads), ("k", kv_heads), ("v", kv_heads))}  # fmt: skip
+    factors = {m: torch.randn(w.shape[0], rank, generator=generator, dtype=torch.float64) for m, w in dense.items()}
+    projection = make_projection(seed, rank, hidden, "gaussian", dtype=torch.float64)
+    updated = {m: dense[m] - factors[m] @ projection for m in dense}
+    kv_local = (1 if tp_size >= kv_heads else kv_heads // tp_size) * head_dim
+    replicas = max(1, tp_size // kv_heads)
+    for tp_rank in range(tp_size):
+        local = _qkv_local_reference(*dense.values(), heads, kv_heads, head_dim, tp_rank, tp_size)
+        placements = column_parallel_placements(
+            "qkv_proj", ["q", "k", "v"], [heads_per_rank * head_dim, kv_local, kv_local],
+            [tp_rank, tp_rank // replicas, tp_rank // replicas], hidden,
+        )  # fmt: skip
+        for member, placement in placements.items():
+            local[placement.param_rows] -= factors[member][placement.factor_rows] @ projection[:, placement.projection_cols]
+        expected = _qkv_local_reference(*updated.values(), heads, kv_heads, head_dim, tp_rank, tp_size)
+        torch.testing.assert_close(local, expected, rtol=1e-12, atol=1e-12)
+
+
+@given(tp_size=st.sampled_from([1, 2, 4]), rows=st.integers(1, 3), cols=st.integers(1, 3), seed=st.integers(0, 999))
+def test_merged_and_row_parallel_placements_match_dense_reference(tp_size, rows, cols, seed):
+    generator = torch.Generator().manual_seed(seed)
+    intermediate, hidden, rank = rows * tp_size * 2, cols * tp_size * 2, 2
+    gate, up = (torch.randn(intermediate, hidden, generator=generator, dtype=torch.float64) for _ in range(2))
+    down = torch.randn(hidden, intermediate, generator=generator, dtype=torch.float64)
+    f_gate, f_up = (torch.randn(intermediate, rank, generator=generator, dtype=torch.float64) for _ in range(2))
+    f_down = torch.randn(hidden, rank, generator=generator, dtype=torch.float64)
+    a_in = make_projection(seed, rank, hidden, "rademacher", dtype=torch.float64)
+    a_mid = make_projection(seed + 1, rank, intermediate, "rademacher", dtype=torch.float64)
+    new_gate, new_up, new_down = gate - f_gate @ a_in, up - f_up @ a_in, down - f_down @ a_mid
+    shard = intermediate // tp_size
+    for tp_rank in range(tp_size):
+        rows_of = slice(tp_rank * shard, (tp_rank + 1) * shard)
+        local = torch.cat([gate[rows_of], up[rows_of]])
+        placements = column_parallel_placements("gate_up_proj", ["gate", "up"], [shard, shard], [tp_rank] * 2, hidden)
+        for member, factor in (("gate", f_gate), ("up", f_up)):
+            p = placements[member]
+            local[p.param_rows] -= factor[p.factor_rows] @ a_in[:, p.projection_cols]
+        torch.testing.assert_close(local, torch.cat([new_gate[rows_of], new_up[rows_of]]), rtol=1e-12, atol=1e-12)
+        p = row_parallel_placement("down_proj", hidden, shard, tp_rank, tp_size)
+        local_down = down[:, rows_of].clone()
+        local_down[p.param_rows] -= f_down[p.factor_rows] @ a_mid[:, p.projection_cols]
+        torch.testing.assert_close(local_down, new_down[:, rows_of], rtol=1e-12, atol=1e-12)
+
+
+# --------------------------------------------------------------------------------------------------
+# Drift checksum
+
+
+@given(d=st.integers(1, 40), k=st.integers(1, 40), seed=st.integers(0, 2**20))
+def test_weight_checksum_is_the_float64_matrix_vector_product(d, k, seed):
+    weight = torch.randn(d, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    probe = checksum_probe(seed, k)
+    assert probe.dtype == torch.float64 and torch.equal(probe, checksum_probe(seed, k))
+    torch.testing.assert_close(weight_checksum(weight, probe), weight.double() @ probe, rtol=0, atol=0)
+
+
+def test_relative_drift_estimates_the_relative_weight_difference():
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(512, 256, generator=generator, dtype=torch.float64)
+    noisy = weight + 1e-3 * torch.randn(512, 256, generator=generator, dtype=torch.float64)
+    truth = float(torch.linalg.norm(noisy - weight) / torch.linalg.norm(weight))
+    estimates = [relative_drift(weight_checksum(noisy, checksum_probe(s, 256)), weight_checksum(weight, checksum_probe(s, 256)))
+                 for s in range(8)]  # fmt: skip
+    assert all(0.7 * truth < e < 1.3 * truth for e in estimates), (truth, estimates)
+    assert relative_drift(weight_checksum(weight, checksum_probe(0, 256)), weight_checksum(weight, checksum_probe(0, 256))) == 0
+    bf16 = weight.to(torch.bfloat16)
+    assert 1e-4 < relative_drift(weight_checksum(bf16, checksum_probe(1, 256)), weight_checksum(weight, checksum_probe(1, 256))) < 1e-2
