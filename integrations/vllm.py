@@ -382,7 +382,7 @@ class EngineUpdater:
         state = self._logra()
         shadow_bytes = sum(t.numel() * t.element_size() for t in state["shadows"].values())
         return {"index": state["index"], "mode": state["mode"], "shadow_bytes": shadow_bytes,
-                "targets": len(state["placements"])}  # fmt: skip
+                "targets": len(state["placements"]), "dtype": str(self.worker.model_config.dtype)}  # fmt: skip
 
 
 def _updater(worker) -> EngineUpdater:

