@@ -4,7 +4,8 @@ Two halves, one per process:
 
 * :class:`LoGRAWorkerExtension` runs inside every vLLM worker
   (``LLM(..., worker_extension_cls=EXTENSION)`` or
-  ``python -m vllm.entrypoints.openai.api_server --worker-extension-cls logra_optim.integrations.vllm.LoGRAWorkerExtension``).
+  ``python -m vllm.entrypoints.openai.api_server --worker-extension-cls
+  logra_optim.integrations.vllm.LoGRAWorkerExtension``).
   It regenerates each target's ``A`` from the seed and applies ``W ← W − F A`` (METHOD.md §4).
 * :class:`VLLMSync` runs beside the optimizer: it records what the optimizer merges, sends it as a
   :class:`~logra_optim.sync.SyncPayload`, and watches the drift between the two copies.
@@ -575,11 +576,11 @@ class VLLMSync:
         # Copies: a gathering iterator (ZeRO-3, FSDP) frees a parameter's full data after yielding it.
         weights = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in self.named_parameters()]
         data, sent = self.engine.wire_weights(weights)
-        self.engine.call("logra_full_sync", data, self.optimizer.update_index, self.shadow_dtype)
+        result = self.engine.call("logra_full_sync", data, self.optimizer.update_index, self.shadow_dtype)
         self.recorder.clear()
         self.needs_full = False
         self.compressed_since_check = 0
-        return self._finish("full", sent, started)
+        return self._finish("full", sent, started, result[0]["seconds"])
 
     def sync(self) -> dict:
         """Bring the engine to the optimizer's current update (see the class docstring)."""
@@ -590,16 +591,16 @@ class VLLMSync:
             return self.full_sync()  # many updates since the last sync: full weights are smaller
         started = time.perf_counter()
         payload = self.recorder.drain()
-        sent = 0
+        sent, engine_seconds = 0, 0.0
         if payload is not None:
             data = self.engine.wire(payload.encode())
-            self.engine.call("logra_apply", data)
+            engine_seconds = self.engine.call("logra_apply", data)[0]["seconds"]
             sent += len(data)
         if self._non_targets:  # trainable non-targets (e.g. norms) are sent whole
             data, size = self.engine.wire_weights([(n, p.detach().to("cpu", copy=True)) for n, p in self._non_targets])
             self.engine.call("logra_load", data)
             sent += size
-        stats = self._finish("compressed", sent, started)
+        stats = self._finish("compressed", sent, started, engine_seconds)
         self.compressed_since_check += 1
         if self.check_every and self.compressed_since_check >= self.check_every:
             self.compressed_since_check = 0
@@ -633,10 +634,12 @@ class VLLMSync:
             worst = max(worst, relative_drift(engine, trainer))
         return worst
 
-    def _finish(self, kind: str, sent: int, started: float) -> dict:
+    def _finish(self, kind: str, sent: int, started: float, engine_seconds: float) -> dict:
+        """``seconds``: the whole sync as the trainer waits for it; ``engine_seconds``: the engine's
+        part (decode, regenerate ``A``, merge, reload)."""
         self.engine.reset_prefix_cache()
         self.stats = {"kind": kind, "bytes": sent, "seconds": time.perf_counter() - started,
-                      "update_index": self.optimizer.update_index}  # fmt: skip
+                      "engine_seconds": engine_seconds, "update_index": self.optimizer.update_index}  # fmt: skip
         self.history.append(self.stats)
         if self.log is not None:
             self.log(self.stats)

@@ -234,7 +234,8 @@ class UpdateRecorder:
 
     def _record(self, optimizer, update: Update) -> None:
         targets = tuple(
-            TargetUpdate(self.rename(t.name), t.seed, t.in_features, t.factor.detach().to("cpu")) for t in update.targets
+            TargetUpdate(self.rename(t.name), t.seed, t.in_features, t.factor.detach().to("cpu"))
+            for t in update.targets
         )
         self.pending.append(Update(update.index, targets))
 

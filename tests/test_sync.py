@@ -210,7 +210,8 @@ def test_fused_qkv_placements_match_dense_reference(tp_size, heads_per_rank, kv_
             [tp_rank, tp_rank // replicas, tp_rank // replicas], hidden,
         )  # fmt: skip
         for member, placement in placements.items():
-            local[placement.param_rows] -= factors[member][placement.factor_rows] @ projection[:, placement.projection_cols]
+            update = factors[member][placement.factor_rows] @ projection[:, placement.projection_cols]
+            local[placement.param_rows] -= update
         expected = _qkv_local_reference(*updated.values(), heads, kv_heads, head_dim, tp_rank, tp_size)
         torch.testing.assert_close(local, expected, rtol=1e-12, atol=1e-12)
 
@@ -258,9 +259,12 @@ def test_relative_drift_estimates_the_relative_weight_difference():
     weight = torch.randn(512, 256, generator=generator, dtype=torch.float64)
     noisy = weight + 1e-3 * torch.randn(512, 256, generator=generator, dtype=torch.float64)
     truth = float(torch.linalg.norm(noisy - weight) / torch.linalg.norm(weight))
-    estimates = [relative_drift(weight_checksum(noisy, checksum_probe(s, 256)), weight_checksum(weight, checksum_probe(s, 256)))
-                 for s in range(8)]  # fmt: skip
+
+    def drift(engine, seed):
+        probe = checksum_probe(seed, 256)
+        return relative_drift(weight_checksum(engine, probe), weight_checksum(weight, probe))
+
+    estimates = [drift(noisy, seed) for seed in range(8)]
     assert all(0.7 * truth < e < 1.3 * truth for e in estimates), (truth, estimates)
-    assert relative_drift(weight_checksum(weight, checksum_probe(0, 256)), weight_checksum(weight, checksum_probe(0, 256))) == 0
-    bf16 = weight.to(torch.bfloat16)
-    assert 1e-4 < relative_drift(weight_checksum(bf16, checksum_probe(1, 256)), weight_checksum(weight, checksum_probe(1, 256))) < 1e-2
+    assert drift(weight, 0) == 0
+    assert 1e-4 < drift(weight.to(torch.bfloat16), 1) < 1e-2

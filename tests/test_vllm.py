@@ -94,7 +94,8 @@ def test_bad_payloads_are_rejected_and_leave_the_engine_untouched(llm):
     def changed(**fields):
         target = good.updates[0].targets[0]
         replaced = TargetUpdate(**{**target.__dict__, **fields})
-        return SyncPayload(good.rank, good.projection, (Update(good.first_index, (replaced,) + good.updates[0].targets[1:]),))
+        targets = (replaced,) + good.updates[0].targets[1:]
+        return SyncPayload(good.rank, good.projection, (Update(good.first_index, targets),))
 
     wrong_rows = changed(factor=torch.zeros(good.updates[0].targets[0].factor.shape[0] + 1, good.rank))
     unknown = changed(name="model.layers.0.self_attn.r_proj.weight")
