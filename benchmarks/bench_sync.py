@@ -39,7 +39,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="qwen2.5-0.5b")
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--ranks", nargs="+", type=int, default=[64, 256])
+    parser.add_argument("--ranks", nargs="+", type=int, default=[32, 128])
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--engine-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--runs", type=int, default=5)

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from logra_optim.distributed import REPLICATED
 from logra_optim.projection import canonical_name, projection_seed
 from logra_optim.sync import (
     PayloadError,
@@ -220,32 +221,32 @@ class EngineUpdater:
     def _logra(self) -> dict:
         state = self._state
         if state is None:
+            from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
             model = self.model_runner.model
             placements = engine_placements(model)
             layers = dict(model.named_modules())
+            # In place only where every linear holds its plain (unpacked, unquantized) weight shard.
             inplace = all(
                 layers[p.module].weight.dim() == 2 and layers[p.module].weight.numel() > 0
-                and type(getattr(layers[p.module], "quant_method", None)).__name__ == "UnquantizedLinearMethod"
+                and isinstance(getattr(layers[p.module], "quant_method", None), UnquantizedLinearMethod)
                 for p in placements.values()
             )  # fmt: skip
             state = {"index": None, "mode": "inplace" if inplace else "reload", "placements": placements,
+                     "linear_modules": {p.module for p in placements.values()},
+                     "packed": getattr(model, "packed_modules_mapping", {}) or {},
                      "shadows": {}, "shadow_dtype": torch.float32}  # fmt: skip
             self._state = state
         return state
 
     def _linear_module_of(self, name: str) -> str | None:
         """The engine linear module a checkpoint tensor loads into (fused groups: the fused one)."""
+        state = self._logra()
         module_path, _, _ = name.rpartition(".")
         prefix, _, short = module_path.rpartition(".")
-        packed = getattr(self.model_runner.model, "packed_modules_mapping", {}) or {}
-        for fused, members in packed.items():
-            if short in members:
-                short = fused
-                break
+        short = next((fused for fused, members in state["packed"].items() if short in members), short)
         fused_name = f"{prefix}.{short}" if prefix else short
-        placements = self._logra()["placements"]
-        modules = {p.module for p in placements.values()}
-        return fused_name if fused_name in modules else None
+        return fused_name if fused_name in state["linear_modules"] else None
 
     def _reload(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         with _quiet_reload_logs():
@@ -539,6 +540,10 @@ class VLLMSync:
             raise ValueError(f"full_every must be a positive integer or None, got {full_every!r}")
         if not drift_bound > 0:
             raise ValueError(f"drift_bound must be positive, got {drift_bound!r}")
+        if check_every and any(layout.kind != REPLICATED for layout in optimizer._layouts):
+            warnings.warn("VLLMSync: the trainer's target weights are sharded (FSDP2/ZeRO-3); the drift check "
+                          "needs whole weights and is off (check_every=0)", stacklevel=2)  # fmt: skip
+            check_every = 0
         self.optimizer = optimizer
         self.engine = _Server(engine) if isinstance(engine, str) else _Colocated(engine)
         self.named_parameters = named_parameters or self._model_parameters

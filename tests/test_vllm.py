@@ -267,3 +267,12 @@ def test_grpo_with_colocated_vllm_trains_and_syncs_compressed(tmp_path):
     assert result["engine_vs_trainer"] < 0.05
     assert result["sampling_logp_difference"] < 0.02
     assert result["last_reward"] > result["first_reward"] + 0.15, result
+
+
+def test_example_reinforce_vllm_runs():
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, os.path.join(os.path.dirname(HERE), "examples", "reinforce_vllm.py"),
+                             "--steps", "10"], env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("step")]
+    assert "full" in lines[0] and "compressed" in lines[-1] and "drift" in lines[-1], lines
