@@ -80,8 +80,8 @@ def main() -> None:
 
         if step == 1 or step % 10 == 0:
             drift = f"  drift {stats['drift']:.1e}" if "drift" in stats else ""
-            print(f"step {step:4d}  reward {mean_reward:.3f}  sync {stats['kind']:10s} {stats['bytes'] / 1024:7.1f} KiB  "
-                  f"{stats['seconds'] * 1000:6.1f} ms{drift}")  # fmt: skip
+            print(f"step {step:4d}  reward {mean_reward:.3f}  sync {stats['kind']:10s} "
+                  f"{stats['bytes'] / 1024:7.1f} KiB  {stats['seconds'] * 1000:6.1f} ms{drift}")  # fmt: skip
 
 
 if __name__ == "__main__":
