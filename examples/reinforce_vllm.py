@@ -56,9 +56,11 @@ def main() -> None:
     generator = torch.Generator().manual_seed(args.seed)
     sampling = SamplingParams(max_tokens=response_length, min_tokens=response_length, temperature=1.0,
                               seed=args.seed)  # fmt: skip
-    baseline = None
+    baseline, drift = None, ""
     for step in range(1, args.steps + 1):
         stats = sync.sync()  # the engine now holds exactly the trainer's weights
+        if "drift" in stats:  # measured every check_every compressed syncs
+            drift = f"  drift {stats['drift']:.1e} (step {step})"
         prompts = torch.randint(0, 64, (args.prompts, prompt_length), generator=generator)
         outputs = llm.generate([{"prompt_token_ids": p.tolist()} for p in prompts], sampling, use_tqdm=False)
         response = torch.tensor([out.outputs[0].token_ids for out in outputs])
@@ -79,7 +81,6 @@ def main() -> None:
         optimizer.zero_grad()
 
         if step == 1 or step % 10 == 0:
-            drift = f"  drift {stats['drift']:.1e}" if "drift" in stats else ""
             print(f"step {step:4d}  reward {mean_reward:.3f}  sync {stats['kind']:10s} "
                   f"{stats['bytes'] / 1024:7.1f} KiB  {stats['seconds'] * 1000:6.1f} ms{drift}")  # fmt: skip
 
