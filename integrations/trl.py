@@ -68,6 +68,7 @@ class LoGRACallback(TrainerCallback):
         self.deepspeed_kwargs: dict[str, Any] | None = None
         self.logra: LoGRAOptimizer | None = None
         self.resume_state: str | None = None  # LoGRA's state file in the checkpoint being resumed
+        self.vllm_sync: dict[str, Any] = {}  # {"sync": VLLMSync} once the compressed vLLM sync has run
 
     @property
     def optimizer(self) -> LoGRAOptimizer | None:
@@ -196,6 +197,10 @@ def _use_compressed_vllm_sync(trainer: Trainer, callback: LoGRACallback, options
     gathering iterator (FSDP, ZeRO-3), renamed for vLLM."""
     from logra_optim.integrations.vllm import VLLMSync
 
+    try:  # misspelt options fail now, not at the first sync
+        inspect.signature(VLLMSync).bind(None, None, **options)
+    except TypeError as error:
+        raise TypeError(f"attach_logra: invalid vllm_sync options: {error}") from None
     generation = getattr(trainer, "vllm_generation", None)
     if generation is None:
         return
@@ -208,14 +213,16 @@ def _use_compressed_vllm_sync(trainer: Trainer, callback: LoGRACallback, options
         )
         return
     full_sync = generation.sync_weights
-    holder: dict[str, VLLMSync] = {}
+    holder = callback.vllm_sync
 
     def sync_weights():
         optimizer = callback.optimizer
         if optimizer is None:  # no LoGRA optimizer yet: nothing to record updates from
             return full_sync()
         sync = holder.get("sync")
-        if sync is None or sync.optimizer is not optimizer:
+        if sync is None or sync.optimizer is not optimizer:  # first sync, or a rebuilt optimizer
+            if sync is not None:
+                sync.close()
             sync = holder["sync"] = VLLMSync(optimizer, generation.llm, named_parameters=generation._iter_named_params,
                                              **options)  # fmt: skip
         if generation.enable_sleep_mode:  # TRL sleeps at level 2 after generating: the weights are gone
@@ -229,7 +236,6 @@ def _use_compressed_vllm_sync(trainer: Trainer, callback: LoGRACallback, options
         callback.pending.setdefault("logra/sync_full", []).append(float(stats["kind"] == "full"))
 
     generation.sync_weights = sync_weights
-    callback.vllm_sync = holder
 
 
 def _attach_beside_deepspeed(trainer: Trainer, callback: LoGRACallback, optimizer_kwargs: dict) -> None:

@@ -30,10 +30,13 @@ so payloads travel as base64 of :meth:`SyncPayload.encode`.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 import logging
+import math
 import time
+import urllib.error
 import urllib.request
 import warnings
 from collections.abc import Callable, Iterable
@@ -51,7 +54,6 @@ from logra_optim.sync import (
     SyncPayload,
     UpdateRecorder,
     checksum_probe,
-    full_sync_bytes,
     projection_of,
     relative_drift,
     weight_checksum,
@@ -154,11 +156,9 @@ def engine_placements(model: nn.Module) -> dict[str, Placement]:
             full = [layer.output_size]
             local = list(getattr(layer, "output_partition_sizes", full))[:1]
             shards = [tp_rank if local[0] != full[0] else 0]
-        for member, rows, placement in zip(
-            members, full, column_parallel_placements(name, members, local, shards, layer.input_size).values()
-        ):
-            placements[member] = Placement(placement.module, rows, placement.in_features, placement.factor_rows,
-                                           placement.param_rows, placement.projection_cols)  # fmt: skip
+        column = column_parallel_placements(name, members, local, shards, layer.input_size)
+        for member, rows in zip(members, full):
+            placements[member] = dataclasses.replace(column[member], out_features=rows)
     return placements
 
 
@@ -252,6 +252,27 @@ class EngineUpdater:
         with _quiet_reload_logs():
             self.worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
 
+    def _reload_with_groups(self, new: dict[str, torch.Tensor]) -> None:
+        """Reload ``new`` and, for every linear layer it touches, the layer's other tensors from the
+        shadows: vLLM reprocesses a layer from what it is given, and a fused layer given only some
+        of its tensors (``q_proj.bias`` alone) would keep uninitialised memory for the rest. Then
+        the shadows take the new values. On failure the engine's index is dropped (it may hold part
+        of the change; only a full sync can tell)."""
+        state = self._logra()
+        touched = {self._linear_module_of(name) for name in new} - {None}
+        group = dict(new)
+        for name, shadow in state["shadows"].items():
+            if name not in group and self._linear_module_of(name) in touched:
+                group[name] = shadow
+        try:
+            self._reload(list(group.items()))
+        except BaseException:
+            state["index"] = None
+            raise
+        for name, tensor in new.items():
+            if self._linear_module_of(name) is not None:
+                state["shadows"][name] = tensor.detach().to("cpu", state["shadow_dtype"], copy=True)
+
     def full_sync(self, weights, update_index: int | str, shadow_dtype: str = "float32") -> dict:
         """Load full checkpoint-format weights (all of the model, or a subset) and mark the engine as
         being at ``update_index``. In reload mode, keep shadows of every linear layer's tensors."""
@@ -261,10 +282,7 @@ class EngineUpdater:
         state["index"] = None  # until the load has succeeded
         if state["mode"] == "reload":
             state["shadow_dtype"] = getattr(torch, str(shadow_dtype))
-            self._reload(weights)
-            for name, tensor in weights:
-                if self._linear_module_of(name) is not None:
-                    state["shadows"][name] = tensor.detach().to("cpu", state["shadow_dtype"], copy=True)
+            self._reload_with_groups(dict(weights))
         else:
             self.model_runner.model.load_weights(weights)
         state["index"] = int(update_index)
@@ -278,10 +296,7 @@ class EngineUpdater:
             raise RuntimeError("LoGRA sync: the engine has no synced weights yet; run a full sync first")
         weights = _weights(weights)
         if state["mode"] == "reload":
-            self._reload(weights)
-            for name, tensor in weights:
-                if name in state["shadows"]:
-                    state["shadows"][name] = tensor.detach().to("cpu", state["shadow_dtype"], copy=True)
+            self._reload_with_groups(dict(weights))
         else:
             self.model_runner.model.load_weights(weights)
         return {"index": state["index"], "tensors": len(weights)}
@@ -322,10 +337,14 @@ class EngineUpdater:
         payload = SyncPayload.decode(_from_wire(payload)) if isinstance(payload, (bytes, str)) else payload
         self._check(payload)
         state = self._logra()
-        if state["mode"] == "reload":
-            self._apply_to_shadows(payload)
-        else:
-            self._apply_in_place(payload)
+        try:
+            if state["mode"] == "reload":
+                self._apply_to_shadows(payload)
+            else:
+                self._apply_in_place(payload)
+        except BaseException:
+            state["index"] = None  # possibly half applied: only a full sync can tell
+            raise
         state["index"] = payload.last_index
         return {"index": state["index"], "mode": state["mode"], "seconds": time.perf_counter() - started}
 
@@ -338,15 +357,7 @@ class EngineUpdater:
                     staged[target.name] = state["shadows"][target.name].clone()
                 merge_low_rank_(staged[target.name], target.factor, projection_of(payload, target),
                                 stochastic_rounding=False)  # fmt: skip
-        touched = {self._linear_module_of(name) for name in staged}
-        group = [(name, staged.get(name, shadow)) for name, shadow in state["shadows"].items()
-                 if self._linear_module_of(name) in touched]  # fmt: skip
-        try:
-            self._reload(group)
-        except BaseException:
-            state["index"] = None  # the engine may hold part of the update: only a full sync can tell
-            raise
-        state["shadows"].update(staged)
+        self._reload_with_groups(staged)
 
     def _apply_in_place(self, payload: SyncPayload) -> None:
         state = self._logra()
@@ -359,25 +370,37 @@ class EngineUpdater:
                 factor = target.factor.to(weight.device)[placement.factor_rows]
                 merge_low_rank_(weight[placement.param_rows], factor, projection, stochastic_rounding=False)
 
+    @torch.no_grad()
     def checksums(self, names: str, seed: int | str) -> str:
-        """``{name: (row start, W_local p_local, partial)}`` for the requested HF matrices, base64 of
-        ``torch.save``. ``partial``: a row-parallel rank's share, to be summed over ranks."""
+        """Checksums ``W p`` of the requested HF matrices, base64 of ``torch.save``: ``{"tp_size",
+        "copy_dtype", "served_dtype", name: (row start, copy, served, partial)}``.
+
+        ``copy``: float64 ``W p`` of the engine's own copy (the shadow in reload mode, the loaded
+        rows in place), exact. ``served``: ``W p`` through the layer's forward kernel (its prepacked
+        or quantized weights: what generation uses), in the engine's dtype, so it also catches a
+        load that went wrong. ``partial``: a row-parallel rank's share, summed over the ranks."""
         state = self._logra()
         names, seed = json.loads(names), int(seed)
         layers = dict(self.model_runner.model.named_modules())
-        result = {}
+        dtype = self.worker.model_config.dtype
+        result = {"tp_size": 1, "copy_dtype": str(state["shadow_dtype"]), "served_dtype": str(dtype)}
         for name in names:
             placement = state["placements"].get(name)
             if placement is None:
                 raise PayloadError(f"LoGRA sync: {name!r} is not a linear weight of this engine")
-            probe = checksum_probe(projection_seed(seed, 0, name), placement.in_features)
+            layer = layers[placement.module]
+            result["tp_size"] = getattr(layer, "tp_size", 1)
+            probe = checksum_probe(projection_seed(seed, 0, name), placement.in_features)[placement.projection_cols]
             if state["mode"] == "reload":
-                result[name] = (0, weight_checksum(state["shadows"][name], probe), False)
-                continue
-            weight = layers[placement.module].weight.data[placement.param_rows]
+                copy = weight_checksum(state["shadows"][name], probe)
+            else:
+                weight = layer.weight.data[placement.param_rows]
+                result["copy_dtype"] = str(weight.dtype)
+                copy = weight_checksum(weight, probe).cpu()
+            x = probe.to(device=layer.weight.device, dtype=dtype)
+            served = layer.quant_method.apply(layer, x[None], bias=None)[0, placement.param_rows]
             partial = placement.projection_cols != slice(0, placement.in_features)
-            local = weight_checksum(weight, probe[placement.projection_cols]).cpu()
-            result[name] = (placement.factor_rows.start, local, partial)
+            result[name] = (placement.factor_rows.start, copy, served.double().cpu(), partial)
         return _to_wire(_save(result))
 
     def status(self) -> dict:
@@ -452,9 +475,14 @@ class _Colocated:
 
     def __init__(self, llm):
         self.llm = llm
+        extension = llm.llm_engine.vllm_config.parallel_config.worker_extension_cls or ""
+        # By name when the workers have the extension (works across processes); otherwise the
+        # functions themselves, which vLLM runs only in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0,
+        # TRL's colocate mode) unless VLLM_ALLOW_INSECURE_SERIALIZATION=1 lets it pickle them.
+        self.by_name = extension == EXTENSION
 
     def call(self, method: str, *args) -> list:
-        return self.llm.collective_rpc(_RPC[method], args=args)
+        return self.llm.collective_rpc(method if self.by_name else _RPC[method], args=args)
 
     def wire(self, data: bytes):
         return data
@@ -479,7 +507,8 @@ class _Server:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
                 text = response.read().decode()
         except urllib.error.HTTPError as error:
-            raise RuntimeError(f"vLLM server {self.url}{path}: HTTP {error.code}: {error.read().decode()[:2000]}")
+            detail = error.read().decode()[:2000]
+            raise RuntimeError(f"vLLM server {self.url}{path}: HTTP {error.code}: {detail}") from error
         return json.loads(text) if text else None
 
     def call(self, method: str, *args) -> list:
@@ -560,7 +589,8 @@ class VLLMSync:
         targets = {id(m.weight) for m in optimizer._modules}
         self._non_targets = [(canonical_name(n), p) for n, p in model.named_parameters()
                              if p.requires_grad and id(p) not in targets]  # fmt: skip
-        self._target_shapes = [layout.shape for layout in optimizer._layouts]
+        # What a full sync sends (every parameter, whole, as held): more pending update bytes → full.
+        self._full_bytes = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in model.parameters())
         self._target_names = [t.canonical_name + ".weight" for t in optimizer._targets]
 
     def _model_parameters(self):
@@ -581,6 +611,7 @@ class VLLMSync:
         # Copies: a gathering iterator (ZeRO-3, FSDP) frees a parameter's full data after yielding it.
         weights = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in self.named_parameters()]
         data, sent = self.engine.wire_weights(weights)
+        self.needs_full = True  # until the engine has confirmed
         result = self.engine.call("logra_full_sync", data, self.optimizer.update_index, self.shadow_dtype)
         self.recorder.clear()
         self.needs_full = False
@@ -591,12 +622,13 @@ class VLLMSync:
         """Bring the engine to the optimizer's current update (see the class docstring)."""
         self.syncs += 1
         if self.needs_full or (self.full_every is not None and self.syncs % self.full_every == 0):
-            return self.full_sync()
-        if self.recorder.pending_bytes > full_sync_bytes(self._target_shapes):
-            return self.full_sync()  # many updates since the last sync: full weights are smaller
+            return self._logged(self.full_sync())
+        if self.recorder.pending_bytes > self._full_bytes:
+            return self._logged(self.full_sync())  # many updates since the last sync: full weights are smaller
         started = time.perf_counter()
         payload = self.recorder.drain()
         sent, engine_seconds = 0, 0.0
+        self.needs_full = True  # until the engine has confirmed: a failed sync loses the drained updates
         if payload is not None:
             data = self.engine.wire(payload.encode())
             engine_seconds = self.engine.call("logra_apply", data)[0]["seconds"]
@@ -605,39 +637,64 @@ class VLLMSync:
             data, size = self.engine.wire_weights([(n, p.detach().to("cpu", copy=True)) for n, p in self._non_targets])
             self.engine.call("logra_load", data)
             sent += size
+        self.needs_full = False
         stats = self._finish("compressed", sent, started, engine_seconds)
         self.compressed_since_check += 1
         if self.check_every and self.compressed_since_check >= self.check_every:
             self.compressed_since_check = 0
-            drift = self.drift()
-            stats["drift"] = drift
-            if drift > self.drift_bound:
-                warnings.warn(f"LoGRA sync: engine drift {drift:.3g} exceeds {self.drift_bound:.3g}; full sync",
+            measured = self.drift()
+            stats.update(measured)
+            if measured["drift"] > self.drift_bound or measured["served_drift"] > measured["served_bound"]:
+                warnings.warn(f"LoGRA sync: engine drift {measured} exceeds the bound; full sync",
                               RuntimeWarning, stacklevel=2)  # fmt: skip
-                stats = {**self.full_sync(), "drift_before": drift}
+                stats = {**self.full_sync(), **{key + "_before": value for key, value in measured.items()}}
+        return self._logged(stats)
+
+    def _logged(self, stats: dict) -> dict:
+        if self.log is not None:
+            self.log(stats)
         return stats
 
     @torch.no_grad()
-    def drift(self, seed: int | None = None) -> float:
+    def drift(self, seed: int | None = None) -> dict[str, float]:
         """Largest relative difference ``‖W_engine − W_trainer‖/‖W‖`` over the targets, estimated from
-        one random matrix-vector product per target on each side (:func:`~logra_optim.sync.weight_checksum`)."""
+        one random matrix-vector product per target on each side (:func:`~logra_optim.sync.weight_checksum`):
+
+        * ``drift``: the engine's own copy (fp32 shadows; in place: its loaded weights) against the
+          trainer's weights rounded to that copy's dtype, so a bf16 engine's storage rounding cancels
+          and what remains is what its merges lost or got wrong;
+        * ``served_drift``: what the forward kernel computes with (prepacked weights included)
+          against the trainer's weights, in the engine dtype. It catches a bad load but resolves only
+          down to that dtype's rounding, so its bound is ``served_bound = max(drift_bound,
+          4·eps(engine dtype))``.
+
+        NaN when the engine runs tensor-parallel and only this process's rank answered (TRL's
+        ``external_launcher``): a partial comparison would be meaningless."""
         seed = self.syncs if seed is None else seed
         results = [_load(r) for r in self.engine.call("logra_checksums", json.dumps(self._target_names), seed)]
-        worst = 0.0
+        served_dtype = getattr(torch, results[0]["served_dtype"].removeprefix("torch."))
+        copy_dtype = getattr(torch, results[0]["copy_dtype"].removeprefix("torch."))
+        served_bound = max(self.drift_bound, 4 * torch.finfo(served_dtype).eps)
+        if len(results) < results[0]["tp_size"]:
+            return {"drift": math.nan, "served_drift": math.nan, "served_bound": served_bound}
+        worst = {"drift": 0.0, "served_drift": 0.0}
         for name, module in zip(self._target_names, self.optimizer._modules):
             weight = module.weight.detach()
-            probe = checksum_probe(projection_seed(seed, 0, name), weight.shape[1])
-            trainer = weight_checksum(weight.cpu(), probe)
-            engine = torch.zeros_like(trainer)
+            probe = checksum_probe(projection_seed(seed, 0, name), weight.shape[1], device=weight.device)
+            trainer = {"drift": weight_checksum(weight.to(copy_dtype), probe).cpu(),
+                       "served_drift": weight_checksum(weight.to(served_dtype), probe).cpu()}  # fmt: skip
+            engine = {key: torch.zeros_like(value) for key, value in trainer.items()}
             for result in results:
-                start, local, partial = result[name]
-                rows = slice(start, start + local.numel())
-                if partial:
-                    engine[rows] += local
-                else:
-                    engine[rows] = local
-            worst = max(worst, relative_drift(engine, trainer))
-        return worst
+                start, copy, served, partial = result[name]
+                rows = slice(start, start + copy.numel())
+                for key, local in (("drift", copy), ("served_drift", served)):
+                    if partial:
+                        engine[key][rows] += local
+                    else:
+                        engine[key][rows] = local
+            for key in worst:
+                worst[key] = max(worst[key], relative_drift(engine[key], trainer[key]))
+        return {**worst, "served_bound": served_bound}
 
     def _finish(self, kind: str, sent: int, started: float, engine_seconds: float) -> dict:
         """``seconds``: the whole sync as the trainer waits for it; ``engine_seconds``: the engine's
@@ -646,6 +703,4 @@ class VLLMSync:
         self.stats = {"kind": kind, "bytes": sent, "seconds": time.perf_counter() - started,
                       "engine_seconds": engine_seconds, "update_index": self.optimizer.update_index}  # fmt: skip
         self.history.append(self.stats)
-        if self.log is not None:
-            self.log(self.stats)
         return self.stats

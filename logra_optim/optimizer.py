@@ -492,11 +492,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         for _, entries, _ in plans:
             for module, _, _, new_state in entries:
                 self.state[module.weight].update(new_state)
-        if self._merge_hooks:
-            update = self._merged_update()
-            self._sent_factors = {}
-            for hook in list(self._merge_hooks.values()):
-                hook(self, update)
+        update = self._merged_update() if self._merge_hooks else None
+        self._sent_factors = {}
         self.update_index += 1
         self._merged_factors.clear()
         if self.refresh:
@@ -504,6 +501,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self._bank.zero_()
         self.stats = {"alpha": alpha, "eta": plans[0][2], **kl_stats,
                       "step_seconds": time.perf_counter() - started, **self._counters()}  # fmt: skip
+        # Last: the step is complete whatever a hook does.
+        for hook in list(self._merge_hooks.values()) if update is not None else ():
+            hook(self, update)
         return loss
 
     def _local_all_finite(self) -> bool:

@@ -39,7 +39,7 @@ json.dump({
     "engine_dtype": status["dtype"],
     "engine_index": status["index"],
     "trainer_index": sync.optimizer.update_index,
-    "drift": sync.drift(),
+    **sync.drift(),
     "kinds": [h["kind"] for h in history],
     "full_bytes": history[0]["bytes"],
     "compressed_bytes": max(h["bytes"] for h in history[1:]),
