@@ -488,6 +488,9 @@ class _Colocated:
         return data
 
     def wire_weights(self, weights: list[tuple[str, torch.Tensor]]) -> tuple[Any, int]:
+        if self.by_name:  # possibly another process (vLLM's default): its RPC carries bytes, not tensors
+            data = _save(dict(weights))
+            return data, len(data)
         return weights, sum(t.numel() * t.element_size() for _, t in weights)
 
     def reset_prefix_cache(self) -> None:

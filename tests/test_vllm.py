@@ -316,3 +316,18 @@ def test_example_reinforce_vllm_runs():
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith("step")]
     assert "full" in lines[0] and "compressed" in lines[-1] and "drift" in lines[-1], lines
+
+
+def test_engine_in_its_own_process(tmp_path):
+    """vLLM's default ``LLM`` runs its engine core in another process: the sync goes by method name
+    through the extension, with every argument as bytes."""
+    result_path = tmp_path / "result.json"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE)]))
+    process = subprocess.run([sys.executable, os.path.join(HERE, "vllm_workers", "multiprocess_engine.py"),
+                              str(tmp_path), str(result_path)], env=env, capture_output=True, text=True,
+                             timeout=600)  # fmt: skip
+    assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-5000:]
+    result = json.loads(result_path.read_text())
+    assert result["multiprocess"] == "SyncMPClient", result
+    assert result["kinds"] == ["full"] + ["compressed"] * 4
+    assert result["drift"] == 0.0 and result["engine_vs_trainer"] < 1e-4
