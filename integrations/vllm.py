@@ -30,7 +30,6 @@ so payloads travel as base64 of :meth:`SyncPayload.encode`.
 from __future__ import annotations
 
 import base64
-import dataclasses
 import io
 import json
 import logging
@@ -85,20 +84,26 @@ class Placement:
 
 
 def column_parallel_placements(
-    module: str, members: list[str], local_sizes: list[int], shard_ranks: list[int], in_features: int
+    module: str,
+    members: list[str],
+    out_features: list[int],
+    local_sizes: list[int],
+    shard_ranks: list[int],
+    in_features: int,
 ) -> dict[str, Placement]:
     """Placements of the members of a (fused) column-parallel layer on one rank.
 
-    The local parameter stacks the members' local row blocks in order; member ``i`` holds rows
+    Member ``i`` is an ``out_features[i] × in_features`` HF matrix. The local parameter stacks the
+    members' local row blocks in order; member ``i`` holds rows
     ``[shard_ranks[i]·local_sizes[i], (shard_ranks[i]+1)·local_sizes[i])`` of its HF matrix. vLLM
     uses ``shard_rank = tp_rank`` except for the k/v blocks of ``qkv_proj`` when KV heads are
     replicated (``tp_rank // replicas``).
     """
     placements, offset = {}, 0
-    for member, size, shard in zip(members, local_sizes, shard_ranks):
+    for member, rows, size, shard in zip(members, out_features, local_sizes, shard_ranks):
         placements[member] = Placement(
             module=module,
-            out_features=-1,  # filled by the caller: the HF matrix's full row count
+            out_features=rows,
             in_features=in_features,
             factor_rows=slice(shard * size, (shard + 1) * size),
             param_rows=slice(offset, offset + size),
@@ -156,9 +161,7 @@ def engine_placements(model: nn.Module) -> dict[str, Placement]:
             full = [layer.output_size]
             local = list(getattr(layer, "output_partition_sizes", full))[:1]
             shards = [tp_rank if local[0] != full[0] else 0]
-        column = column_parallel_placements(name, members, local, shards, layer.input_size)
-        for member, rows in zip(members, full):
-            placements[member] = dataclasses.replace(column[member], out_features=rows)
+        placements.update(column_parallel_placements(name, members, full, local, shards, layer.input_size))
     return placements
 
 

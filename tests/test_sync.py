@@ -206,10 +206,12 @@ def test_fused_qkv_placements_match_dense_reference(tp_size, heads_per_rank, kv_
     for tp_rank in range(tp_size):
         local = _qkv_local_reference(*dense.values(), heads, kv_heads, head_dim, tp_rank, tp_size)
         placements = column_parallel_placements(
-            "qkv_proj", ["q", "k", "v"], [heads_per_rank * head_dim, kv_local, kv_local],
-            [tp_rank, tp_rank // replicas, tp_rank // replicas], hidden,
+            "qkv_proj", ["q", "k", "v"], [w.shape[0] for w in dense.values()],
+            [heads_per_rank * head_dim, kv_local, kv_local], [tp_rank, tp_rank // replicas, tp_rank // replicas],
+            hidden,
         )  # fmt: skip
         for member, placement in placements.items():
+            assert (placement.out_features, placement.in_features) == tuple(dense[member].shape)
             update = factors[member][placement.factor_rows] @ projection[:, placement.projection_cols]
             local[placement.param_rows] -= update
         expected = _qkv_local_reference(*updated.values(), heads, kv_heads, head_dim, tp_rank, tp_size)
@@ -231,7 +233,8 @@ def test_merged_and_row_parallel_placements_match_dense_reference(tp_size, rows,
     for tp_rank in range(tp_size):
         rows_of = slice(tp_rank * shard, (tp_rank + 1) * shard)
         local = torch.cat([gate[rows_of], up[rows_of]])
-        placements = column_parallel_placements("gate_up_proj", ["gate", "up"], [shard, shard], [tp_rank] * 2, hidden)
+        placements = column_parallel_placements("gate_up_proj", ["gate", "up"], [intermediate] * 2, [shard] * 2,
+                                                [tp_rank] * 2, hidden)  # fmt: skip
         for member, factor in (("gate", f_gate), ("up", f_up)):
             p = placements[member]
             local[p.param_rows] -= factor[p.factor_rows] @ a_in[:, p.projection_cols]
