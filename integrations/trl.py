@@ -230,7 +230,7 @@ def _use_compressed_vllm_sync(trainer: Trainer, callback: LoGRACallback, options
             generation._llm_weights_sleeping = False
             sync.mark_weights_discarded()
         stats = sync.sync()
-        for key in ("bytes", "seconds", "drift"):
+        for key in ("bytes", "seconds", "drift", "served_drift"):
             if key in stats:
                 callback.pending.setdefault(f"logra/sync_{key}", []).append(float(stats[key]))
         callback.pending.setdefault("logra/sync_full", []).append(float(stats["kind"] == "full"))

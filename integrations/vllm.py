@@ -2,11 +2,11 @@
 
 Two halves, one per process:
 
-* :class:`LoGRAWorkerExtension` runs inside every vLLM worker
-  (``LLM(..., worker_extension_cls=EXTENSION)`` or
+* :class:`EngineUpdater` runs inside every vLLM worker, reached through
+  :class:`LoGRAWorkerExtension` (``LLM(..., worker_extension_cls=EXTENSION)`` or
   ``python -m vllm.entrypoints.openai.api_server --worker-extension-cls
-  logra_optim.integrations.vllm.LoGRAWorkerExtension``).
-  It regenerates each target's ``A`` from the seed and applies ``W ← W − F A`` (METHOD.md §4).
+  logra_optim.integrations.vllm.LoGRAWorkerExtension``). It regenerates each target's ``A`` from
+  the seed and applies ``W ← W − F A`` (METHOD.md §4).
 * :class:`VLLMSync` runs beside the optimizer: it records what the optimizer merges, sends it as a
   :class:`~logra_optim.sync.SyncPayload`, and watches the drift between the two copies.
 
@@ -30,7 +30,6 @@ so payloads travel as base64 of :meth:`SyncPayload.encode`.
 from __future__ import annotations
 
 import base64
-import io
 import json
 import logging
 import math
@@ -53,8 +52,10 @@ from logra_optim.sync import (
     SyncPayload,
     UpdateRecorder,
     checksum_probe,
+    from_bytes,
     projection_of,
     relative_drift,
+    to_bytes,
     weight_checksum,
 )
 from logra_optim.updates import merge_low_rank_
@@ -177,14 +178,8 @@ def _from_wire(data: bytes | str) -> bytes:
     return base64.b64decode(data) if isinstance(data, str) else data
 
 
-def _save(obj) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
-
-
 def _load(data: bytes | str):
-    return torch.load(io.BytesIO(_from_wire(data)), weights_only=True, map_location="cpu")
+    return from_bytes(_from_wire(data))
 
 
 def _weights(weights) -> list[tuple[str, torch.Tensor]]:
@@ -221,7 +216,7 @@ class EngineUpdater:
         self.worker, self.model_runner = worker, worker.model_runner
         self._state = None
 
-    def _logra(self) -> dict:
+    def _engine_state(self) -> dict:
         state = self._state
         if state is None:
             from vllm.model_executor.layers.linear import UnquantizedLinearMethod
@@ -244,7 +239,7 @@ class EngineUpdater:
 
     def _linear_module_of(self, name: str) -> str | None:
         """The engine linear module a checkpoint tensor loads into (fused groups: the fused one)."""
-        state = self._logra()
+        state = self._engine_state()
         module_path, _, _ = name.rpartition(".")
         prefix, _, short = module_path.rpartition(".")
         short = next((fused for fused, members in state["packed"].items() if short in members), short)
@@ -261,7 +256,7 @@ class EngineUpdater:
         of its tensors (``q_proj.bias`` alone) would keep uninitialised memory for the rest. Then
         the shadows take the new values. On failure the engine's index is dropped (it may hold part
         of the change; only a full sync can tell)."""
-        state = self._logra()
+        state = self._engine_state()
         touched = {self._linear_module_of(name) for name in new} - {None}
         group = dict(new)
         for name, shadow in state["shadows"].items():
@@ -279,7 +274,7 @@ class EngineUpdater:
     def full_sync(self, weights, update_index: int | str, shadow_dtype: str = "float32") -> dict:
         """Load full checkpoint-format weights (all of the model, or a subset) and mark the engine as
         being at ``update_index``. In reload mode, keep shadows of every linear layer's tensors."""
-        state = self._logra()
+        state = self._engine_state()
         weights = _weights(weights)
         started = time.perf_counter()
         state["index"] = None  # until the load has succeeded
@@ -294,7 +289,7 @@ class EngineUpdater:
     def load(self, weights) -> dict:
         """Load some checkpoint-format tensors (e.g. trainable non-targets) without touching the index.
         In reload mode a linear layer's tensors also replace its shadows; send whole fused groups."""
-        state = self._logra()
+        state = self._engine_state()
         if state["index"] is None:
             raise RuntimeError("LoGRA sync: the engine has no synced weights yet; run a full sync first")
         weights = _weights(weights)
@@ -306,7 +301,7 @@ class EngineUpdater:
 
     def _check(self, payload: SyncPayload) -> None:
         """Everything that can go wrong, checked before any weight changes."""
-        state = self._logra()
+        state = self._engine_state()
         if state["index"] is None:
             raise PayloadError("LoGRA sync: the engine has no synced base weights; run a full sync first")
         if payload.first_index != state["index"] + 1:
@@ -339,7 +334,7 @@ class EngineUpdater:
         started = time.perf_counter()
         payload = SyncPayload.decode(_from_wire(payload)) if isinstance(payload, (bytes, str)) else payload
         self._check(payload)
-        state = self._logra()
+        state = self._engine_state()
         try:
             if state["mode"] == "reload":
                 self._apply_to_shadows(payload)
@@ -352,7 +347,7 @@ class EngineUpdater:
         return {"index": state["index"], "mode": state["mode"], "seconds": time.perf_counter() - started}
 
     def _apply_to_shadows(self, payload: SyncPayload) -> None:
-        state = self._logra()
+        state = self._engine_state()
         staged: dict[str, torch.Tensor] = {}
         for update in payload.updates:
             for target in update.targets:
@@ -363,7 +358,7 @@ class EngineUpdater:
         self._reload_with_groups(staged)
 
     def _apply_in_place(self, payload: SyncPayload) -> None:
-        state = self._logra()
+        state = self._engine_state()
         layers = dict(self.model_runner.model.named_modules())
         for update in payload.updates:
             for target in update.targets:
@@ -382,7 +377,7 @@ class EngineUpdater:
         rows in place), exact. ``served``: ``W p`` through the layer's forward kernel (its prepacked
         or quantized weights: what generation uses), in the engine's dtype, so it also catches a
         load that went wrong. ``partial``: a row-parallel rank's share, summed over the ranks."""
-        state = self._logra()
+        state = self._engine_state()
         names, seed = json.loads(names), int(seed)
         layers = dict(self.model_runner.model.named_modules())
         dtype = self.worker.model_config.dtype
@@ -404,10 +399,10 @@ class EngineUpdater:
             served = layer.quant_method.apply(layer, x[None], bias=None)[0, placement.param_rows]
             partial = placement.projection_cols != slice(0, placement.in_features)
             result[name] = (placement.factor_rows.start, copy, served.double().cpu(), partial)
-        return _to_wire(_save(result))
+        return _to_wire(to_bytes(result))
 
     def status(self) -> dict:
-        state = self._logra()
+        state = self._engine_state()
         shadow_bytes = sum(t.numel() * t.element_size() for t in state["shadows"].values())
         return {"index": state["index"], "mode": state["mode"], "shadow_bytes": shadow_bytes,
                 "targets": len(state["placements"]), "dtype": str(self.worker.model_config.dtype)}  # fmt: skip
@@ -424,57 +419,34 @@ def _updater(worker) -> EngineUpdater:
     return updater
 
 
-def rpc_full_sync(worker, weights, update_index, shadow_dtype="float32") -> dict:
-    return _updater(worker).full_sync(weights, update_index, shadow_dtype)
-
-
-def rpc_load(worker, weights) -> dict:
-    return _updater(worker).load(weights)
-
-
-def rpc_apply(worker, payload) -> dict:
-    return _updater(worker).apply(payload)
-
-
-def rpc_checksums(worker, names, seed) -> str:
-    return _updater(worker).checksums(names, seed)
-
-
-def rpc_status(worker) -> dict:
-    return _updater(worker).status()
-
-
 class LoGRAWorkerExtension:
-    """Methods added to every vLLM worker by ``worker_extension_cls`` (needed for a server, whose
-    ``/collective_rpc`` takes method names; an in-process ``LLM`` can run the ``rpc_*`` functions
-    without it). Call with ``collective_rpc("logra_apply", args=(payload,))`` etc."""
+    """Methods added to every vLLM worker by ``worker_extension_cls``; call them by name with
+    ``collective_rpc("logra_apply", args=(payload,))`` etc. An engine in this process without the
+    extension runs the same functions passed as callables (``collective_rpc`` gives them the worker,
+    or its wrapper, as ``self``; :func:`_updater` accepts both)."""
 
     def logra_full_sync(self, weights, update_index, shadow_dtype="float32") -> dict:
-        return rpc_full_sync(self, weights, update_index, shadow_dtype)
+        return _updater(self).full_sync(weights, update_index, shadow_dtype)
 
     def logra_load(self, weights) -> dict:
-        return rpc_load(self, weights)
+        return _updater(self).load(weights)
 
     def logra_apply(self, payload) -> dict:
-        return rpc_apply(self, payload)
+        return _updater(self).apply(payload)
 
     def logra_checksums(self, names, seed) -> str:
-        return rpc_checksums(self, names, seed)
+        return _updater(self).checksums(names, seed)
 
     def logra_status(self) -> dict:
-        return rpc_status(self)
+        return _updater(self).status()
 
 
 # --------------------------------------------------------------------------------------------------
 # Trainer side: transports
 
 
-_RPC = {"logra_full_sync": rpc_full_sync, "logra_load": rpc_load, "logra_apply": rpc_apply,
-        "logra_checksums": rpc_checksums, "logra_status": rpc_status}  # fmt: skip
-
-
 class _Colocated:
-    """An ``LLM`` in this process: arguments travel as Python objects."""
+    """An ``LLM`` object of this process; its engine may run here or in a process of its own."""
 
     def __init__(self, llm):
         self.llm = llm
@@ -485,14 +457,14 @@ class _Colocated:
         self.by_name = extension == EXTENSION
 
     def call(self, method: str, *args) -> list:
-        return self.llm.collective_rpc(method if self.by_name else _RPC[method], args=args)
+        return self.llm.collective_rpc(method if self.by_name else getattr(LoGRAWorkerExtension, method), args=args)
 
     def wire(self, data: bytes):
         return data
 
     def wire_weights(self, weights: list[tuple[str, torch.Tensor]]) -> tuple[Any, int]:
         if self.by_name:  # possibly another process (vLLM's default): its RPC carries bytes, not tensors
-            data = _save(dict(weights))
+            data = to_bytes(dict(weights))
             return data, len(data)
         return weights, sum(t.numel() * t.element_size() for _, t in weights)
 
@@ -524,7 +496,7 @@ class _Server:
         return _to_wire(data)
 
     def wire_weights(self, weights: list[tuple[str, torch.Tensor]]) -> tuple[str, int]:
-        data = _to_wire(_save(dict(weights)))
+        data = _to_wire(to_bytes(dict(weights)))
         return data, len(data)
 
     def reset_prefix_cache(self) -> None:
@@ -540,8 +512,11 @@ class VLLMSync:
 
     Args:
         optimizer: the :class:`~logra_optim.LoGRAOptimizer` whose updates are sent.
-        engine: an ``LLM`` in this process (colocated; no worker extension needed), or the base URL
-            of a vLLM server started with ``--worker-extension-cls`` and ``VLLM_SERVER_DEV_MODE=1``.
+        engine: an ``LLM`` (colocated), or the base URL of a vLLM server started with
+            ``--worker-extension-cls`` and ``VLLM_SERVER_DEV_MODE=1``. An ``LLM`` whose engine runs
+            in its own process (vLLM's default) needs ``worker_extension_cls=EXTENSION``; one
+            running in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, TRL's colocate mode)
+            works without it.
         named_parameters: ``() -> iterable of (checkpoint name, tensor)`` giving the full weights
             for a full sync (default: the optimizer's model, wrapper prefixes stripped). Under
             FSDP/ZeRO-3 pass one that gathers them (TRL's does).

@@ -91,7 +91,7 @@ class SyncPayload:
     @property
     def factor_bytes(self) -> int:
         """Bytes of the factors alone (the encoded payload adds a little metadata)."""
-        return sum(t.factor.numel() * t.factor.element_size() for u in self.updates for t in u.targets)
+        return factor_bytes(self.updates)
 
     def to_dict(self) -> dict:
         return {
@@ -134,17 +134,32 @@ class SyncPayload:
             raise PayloadError(f"malformed sync payload: missing or mistyped field ({error})") from error
 
     def encode(self) -> bytes:
-        buffer = io.BytesIO()
-        torch.save(self.to_dict(), buffer)
-        return buffer.getvalue()
+        return to_bytes(self.to_dict())
 
     @classmethod
     def decode(cls, data: bytes) -> SyncPayload:
         try:
-            loaded = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+            loaded = from_bytes(data)
         except Exception as error:  # torch raises several types for corrupt archives
             raise PayloadError(f"sync payload cannot be decoded: {error}") from error
         return cls.from_dict(loaded)
+
+
+def to_bytes(obj) -> bytes:
+    """``torch.save`` into bytes (tensors, numbers, strings and containers of them)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def from_bytes(data: bytes):
+    """The inverse of :func:`to_bytes`, safely: ``weights_only=True``, tensors on the CPU."""
+    return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+
+
+def factor_bytes(updates) -> int:
+    """Bytes of the factors of these updates."""
+    return sum(t.factor.numel() * t.factor.element_size() for u in updates for t in u.targets)
 
 
 def _validate(payload: SyncPayload) -> None:
@@ -241,7 +256,7 @@ class UpdateRecorder:
 
     @property
     def pending_bytes(self) -> int:
-        return sum(t.factor.numel() * t.factor.element_size() for u in self.pending for t in u.targets)
+        return factor_bytes(self.pending)
 
     def drain(self) -> SyncPayload | None:
         """The pending updates as one payload (``None`` if there are none); clears them."""
