@@ -61,8 +61,22 @@ from logra_optim.cli.measure import peak_rss_bytes
 BASELINES = ("adamw-targets", "adamw-full")
 METHODS = (*BASELINES, "logra-sgd", "logra-rowadam")
 # The worker's shape and timing options, forwarded verbatim from the parent.
-FORWARDED = ("hidden", "layers", "intermediate", "heads", "kv_heads", "vocab", "seq", "batch",
-             "warmup", "runs", "threads", "device", "seed", "checkpointing")  # fmt: skip
+FORWARDED = (
+    "hidden",
+    "layers",
+    "intermediate",
+    "heads",
+    "kv_heads",
+    "vocab",
+    "seq",
+    "batch",
+    "warmup",
+    "runs",
+    "threads",
+    "device",
+    "seed",
+    "checkpointing",
+)
 GIB = 2**30
 
 
@@ -234,14 +248,28 @@ def add_ratios(results: list[dict]) -> None:
 def table_rows(results: list[dict]) -> tuple[list[str], list[list[str]]]:
     """Column headers and formatted cells shared by the console and markdown tables."""
     baselines = [b for b in BASELINES if any(r["method"] == b for r in results)]
-    headers = ["method", "trained params", "step s (median)", "step s (min)", "optim s (median)",
-               "peak Δ GiB", "peak abs GiB"]  # fmt: skip
+    headers = [
+        "method",
+        "trained params",
+        "step s (median)",
+        "step s (min)",
+        "optim s (median)",
+        "peak Δ GiB",
+        "peak abs GiB",
+    ]
     for base in baselines:
         headers += [f"mem / {base}", f"time / {base}", f"min time / {base}"]
     rows = []
     for r in results:
-        row = [r["label"], f"{r['trained_params'] / 1e6:.1f} M", f"{r['step_s']:.2f}", f"{r['step_min_s']:.2f}",
-               f"{r['optim_s']:.2f}", f"{r['peak_bytes'] / GIB:.2f}", f"{r['peak_abs_bytes'] / GIB:.2f}"]  # fmt: skip
+        row = [
+            r["label"],
+            f"{r['trained_params'] / 1e6:.1f} M",
+            f"{r['step_s']:.2f}",
+            f"{r['step_min_s']:.2f}",
+            f"{r['optim_s']:.2f}",
+            f"{r['peak_bytes'] / GIB:.2f}",
+            f"{r['peak_abs_bytes'] / GIB:.2f}",
+        ]
         for base in baselines:
             row += [f"{r[f'{kind}_vs_{base}']:.2f}×" for kind in ("mem", "time", "best")]
         rows.append(row)
@@ -331,8 +359,11 @@ def run_parent(args: argparse.Namespace, argv: list[str]) -> None:
             samples[config].append(sample)
             step = statistics.median(a + b for a, b in zip(sample["fwd_bwd_s"], sample["optim_s"]))
             elapsed = time.perf_counter() - started
-            print(f"round {round_index}/{args.rounds} {config.label}: {step:.2f} s/step, peak Δ "
-                  f"{sample['peak_bytes'] / GIB:.2f} GiB ({elapsed:.0f} s)", file=sys.stderr)  # fmt: skip
+            print(
+                f"round {round_index}/{args.rounds} {config.label}: {step:.2f} s/step, peak Δ "
+                f"{sample['peak_bytes'] / GIB:.2f} GiB ({elapsed:.0f} s)",
+                file=sys.stderr,
+            )
     meta["total_wall_s"] = time.perf_counter() - started
     results = [summarize(config, runs) for config, runs in samples.items()]
     meta["total_params"] = results[0]["total_params"]
@@ -359,18 +390,31 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--rank", type=int, default=256, help="rank of the headline LoGRA SGD and RowAdam runs")
-    p.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=[16, 64, 256, 512],
-                   help="RowAdam rank sweep, comma-separated")  # fmt: skip
-    p.add_argument("--methods", type=lambda s: s.split(","), default=list(METHODS),
-                   help=f"comma-separated subset of {','.join(METHODS)}")  # fmt: skip
+    p.add_argument(
+        "--ranks",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[16, 64, 256, 512],
+        help="RowAdam rank sweep, comma-separated",
+    )
+    p.add_argument(
+        "--methods",
+        type=lambda s: s.split(","),
+        default=list(METHODS),
+        help=f"comma-separated subset of {','.join(METHODS)}",
+    )
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--runs", type=int, default=3, help="timed steps per process")
     p.add_argument("--rounds", type=int, default=3, help="fresh processes per configuration, run round-robin")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in each worker")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpointing", type=int, choices=(0, 1), default=0,
-                   help="1: non-reentrant gradient checkpointing in every method (TRL trainers default to it)")
+    p.add_argument(
+        "--checkpointing",
+        type=int,
+        choices=(0, 1),
+        default=0,
+        help="1: non-reentrant gradient checkpointing in every method (TRL trainers default to it)",
+    )
     p.add_argument("--json", metavar="PATH", help="write the results and the environment as JSON")
     p.add_argument("--markdown", metavar="PATH", help="write a markdown table for the README")
     p.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)

@@ -84,9 +84,12 @@ class ByteCounter:
 
         self.dist, self.bytes, self.calls, self.active = dist, 0, 0, False
         # Which argument is the tensor this rank contributes (position, keyword).
-        for name, position, keyword in (("all_reduce", 0, "tensor"), ("all_gather", 1, "tensor"),
-                                        ("all_gather_into_tensor", 1, "input_tensor"),
-                                        ("reduce_scatter_tensor", 1, "input")):  # fmt: skip
+        for name, position, keyword in (
+            ("all_reduce", 0, "tensor"),
+            ("all_gather", 1, "tensor"),
+            ("all_gather_into_tensor", 1, "input_tensor"),
+            ("reduce_scatter_tensor", 1, "input"),
+        ):
             setattr(dist, name, self._wrap(getattr(dist, name), position, keyword))
 
     def _wrap(self, original, position: int, keyword: str):
@@ -114,10 +117,15 @@ def build(args, method: str, rank_r: int | None, device):
     from logra_optim import LoGRAOptimizer, find_target_modules, patch_model
 
     config = Qwen2Config(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        max_position_embeddings=max(args.seq, 64), tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=max(args.seq, 64),
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).to(device)
     model.config._attn_implementation = "sdpa"
@@ -170,9 +178,13 @@ def worker(args) -> None:
 
         # The engine wraps the optimizer of the trainable parameters: every target (dense) or the
         # final norm (LoGRA, which updates the targets beside it).
-        config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
-                  "zero_optimization": {"stage": int(engine[-1])}, "zero_allow_untested_optimizer": True,
-                  "steps_per_print": 10**9}  # fmt: skip
+        config = {
+            "train_micro_batch_size_per_gpu": args.batch,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": int(engine[-1])},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**9,
+        }
         trainable = [p for p in model.parameters() if p.requires_grad]
         computed_gradient_bytes = sum(p.numel() * 4 for p in trainable)  # before ZeRO-3 partitions them
         wrapped, engine_optimizer, *_ = deepspeed.initialize(model=model, optimizer=adamw(trainable), config=config)
@@ -216,14 +228,21 @@ def worker(args) -> None:
             per_step_bytes.append(counter.bytes)
     if dist.get_rank() == 0:
         sketch_bytes = sum(b.numel() * b.element_size() for b in opt.sketch_buffers()) if method == "logra" else 0
-        print(json.dumps({
-            "engine": engine, "method": method, "rank": rank_r,
-            "step_seconds": statistics.median(times), "step_seconds_all": times,
-            "measured_bytes_per_step": statistics.median(per_step_bytes),
-            "computed_dense_gradient_bytes": computed_gradient_bytes,
-            "sketch_buffer_bytes": sketch_bytes,
-            "target_params": target_params,
-        }))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "engine": engine,
+                    "method": method,
+                    "rank": rank_r,
+                    "step_seconds": statistics.median(times),
+                    "step_seconds_all": times,
+                    "measured_bytes_per_step": statistics.median(per_step_bytes),
+                    "computed_dense_gradient_bytes": computed_gradient_bytes,
+                    "sketch_buffer_bytes": sketch_bytes,
+                    "target_params": target_params,
+                }
+            )
+        )
     dist.destroy_process_group()
 
 
@@ -241,8 +260,20 @@ def run_configuration(args, engine: str, method: str, rank_r: int | None) -> dic
     forwarded = []
     for name in ("hidden", "layers", "intermediate", "heads", "kv_heads", "vocab", "batch", "seq", "warmup", "steps"):
         forwarded += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
-               "--worker", f"{engine}:{method}:{rank_r or ''}", "--device", args.device, *forwarded]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        __file__,
+        "--worker",
+        f"{engine}:{method}:{rank_r or ''}",
+        "--device",
+        args.device,
+        *forwarded,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
     for attempt in range(2):  # one retry: a DeepSpeed ZeRO-3 worker was once seen to abort on this machine
         result = subprocess.run(command, capture_output=True, text=True, env=env)
@@ -289,7 +320,7 @@ def main(argv=None) -> None:
             "torch": torch.__version__,
             "load_average_before": load_before,
             "load_average_after": os.getloadavg(),
-        },  # fmt: skip
+        },
         "rows": rows,
     }
     table = markdown(rows)

@@ -36,10 +36,16 @@ def qwen2(hidden: int, layers: int, vocab: int, seed: int = 0):
     torch.manual_seed(seed)
     heads = max(1, hidden // 64)
     config = Qwen2Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=int(2.75 * hidden) // 8 * 8,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
-        head_dim=hidden // heads, max_position_embeddings=2048, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(2.75 * hidden) // 8 * 8,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 4),
+        head_dim=hidden // heads,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
     return Qwen2ForCausalLM(config)
 
 
@@ -64,8 +70,16 @@ def accuracy(args) -> list[dict]:
         name = probe + (" + realised-KL check" if check else "")
         for budget in BUDGETS:
             model = patch_model(copy.deepcopy(base))
-            opt = LoGRAOptimizer(model, rank=args.rank, kl_budget=budget, probe=probe, update_ratio=5e-3,
-                                 alpha_max=1e3, realised_kl_check=check, realised_kl_tolerance=0.05)  # fmt: skip
+            opt = LoGRAOptimizer(
+                model,
+                rank=args.rank,
+                kl_budget=budget,
+                probe=probe,
+                update_ratio=5e-3,
+                alpha_max=1e3,
+                realised_kl_check=check,
+                realised_kl_tolerance=0.05,
+            )
             ratios = []
             for _ in range(args.acc_steps):
                 with torch.no_grad():
@@ -76,10 +90,20 @@ def accuracy(args) -> list[dict]:
                 with torch.no_grad():
                     after = model(input_ids=contexts.input_ids).logits[contexts.probe_mask]
                 ratios.append(float(exact_kl_terms(before, after).mean()) / budget)
-            rows.append({"probe": name, "budget": budget, "min": min(ratios), "median": statistics.median(ratios),
-                         "max": max(ratios)})  # fmt: skip
-            print(f"accuracy {name:36s} budget {budget:.0e}: realised/budget median {rows[-1]['median']:.4f} "
-                  f"[{rows[-1]['min']:.4f}, {rows[-1]['max']:.4f}]", file=sys.stderr)  # fmt: skip
+            rows.append(
+                {
+                    "probe": name,
+                    "budget": budget,
+                    "min": min(ratios),
+                    "median": statistics.median(ratios),
+                    "max": max(ratios),
+                }
+            )
+            print(
+                f"accuracy {name:36s} budget {budget:.0e}: realised/budget median {rows[-1]['median']:.4f} "
+                f"[{rows[-1]['min']:.4f}, {rows[-1]['max']:.4f}]",
+                file=sys.stderr,
+            )
     return rows
 
 
@@ -100,9 +124,12 @@ def cost_worker(
     """One model size, in this (fresh) process."""
     from logra_optim import LoGRAOptimizer, patch_model
     from logra_optim.probe import (
-        _inference_environment, contexts_from_batch, default_logits_fn, finite_difference_predicted_kl,
+        _inference_environment,
+        contexts_from_batch,
+        default_logits_fn,
+        finite_difference_predicted_kl,
         jvp_predicted_kl,
-    )  # fmt: skip
+    )
 
     torch.set_num_threads(2)
     model = patch_model(qwen2(hidden, layers, vocab))
@@ -120,9 +147,18 @@ def cost_worker(
     plain_s = _median_seconds(plain, runs, warmup)
     jvp_s = _median_seconds(lambda: jvp_predicted_kl(model, targets, factors, contexts), runs, warmup)
     fd_s = _median_seconds(lambda: finite_difference_predicted_kl(model, targets, factors, contexts), runs, warmup)
-    return {"hidden": hidden, "layers": layers, "vocab": vocab, "tokens": samples * seq, "rank": rank,
-            "plain_forward_s": plain_s, "jvp_s": jvp_s, "fd_s": fd_s,
-            "jvp_over_forward": jvp_s / plain_s, "fd_over_forward": fd_s / plain_s}  # fmt: skip
+    return {
+        "hidden": hidden,
+        "layers": layers,
+        "vocab": vocab,
+        "tokens": samples * seq,
+        "rank": rank,
+        "plain_forward_s": plain_s,
+        "jvp_s": jvp_s,
+        "fd_s": fd_s,
+        "jvp_over_forward": jvp_s / plain_s,
+        "fd_over_forward": fd_s / plain_s,
+    }
 
 
 def main() -> None:
@@ -151,15 +187,26 @@ def main() -> None:
     results = {"accuracy": accuracy(args), "cost": []}
     for size in filter(None, args.sizes.split(",")):
         hidden, layers = (int(v) for v in size.split("x"))
-        spec = dict(hidden=hidden, layers=layers, vocab=args.vocab, seq=args.seq, samples=args.samples,
-                    rank=args.cost_rank, runs=args.runs, warmup=args.warmup)  # fmt: skip
-        out = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], check=True,
-                             capture_output=True, text=True).stdout  # fmt: skip
+        spec = dict(
+            hidden=hidden,
+            layers=layers,
+            vocab=args.vocab,
+            seq=args.seq,
+            samples=args.samples,
+            rank=args.cost_rank,
+            runs=args.runs,
+            warmup=args.warmup,
+        )
+        out = subprocess.run(
+            [sys.executable, __file__, "--worker", json.dumps(spec)], check=True, capture_output=True, text=True
+        ).stdout
         row = json.loads(out.strip().splitlines()[-1])
         results["cost"].append(row)
-        print(f"cost hidden {hidden} layers {layers} ({row['tokens']} probe tokens, r={row['rank']}): "
-              f"JVP {row['jvp_over_forward']:.2f}× a forward, FD {row['fd_over_forward']:.2f}×",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"cost hidden {hidden} layers {layers} ({row['tokens']} probe tokens, r={row['rank']}): "
+            f"JVP {row['jvp_over_forward']:.2f}× a forward, FD {row['fd_over_forward']:.2f}×",
+            file=sys.stderr,
+        )
 
     print("\n| probe | budget | realised / budget (median [min, max] over steps) |\n|---|---|---|")
     for row in results["accuracy"]:
@@ -167,8 +214,10 @@ def main() -> None:
     print("\n| model (hidden × layers, vocab) | probe tokens | plain forward s | JVP probe | FD probe |")
     print("|---|---|---|---|---|")
     for row in results["cost"]:
-        print(f"| {row['hidden']} × {row['layers']}, {row['vocab']} | {row['tokens']} | {row['plain_forward_s']:.3f} | "
-              f"{row['jvp_over_forward']:.2f}× | {row['fd_over_forward']:.2f}× |")  # fmt: skip
+        print(
+            f"| {row['hidden']} × {row['layers']}, {row['vocab']} | {row['tokens']} | {row['plain_forward_s']:.3f} | "
+            f"{row['jvp_over_forward']:.2f}× | {row['fd_over_forward']:.2f}× |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

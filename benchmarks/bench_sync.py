@@ -55,8 +55,9 @@ def _save_model(spec: dict, directory: str):
 
     from logra_optim.cli.bench import PRESETS
 
-    config = Qwen2Config(**{**PRESETS[spec["preset"]], "num_hidden_layers": spec["layers"]},
-                         max_position_embeddings=256)  # fmt: skip
+    config = Qwen2Config(
+        **{**PRESETS[spec["preset"]], "num_hidden_layers": spec["layers"]}, max_position_embeddings=256
+    )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
     model.save_pretrained(directory)
@@ -71,11 +72,29 @@ def _start_server(directory: str, dtype: str) -> tuple[subprocess.Popen, str]:
         port = s.getsockname()[1]
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
     server = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", directory, "--dtype", dtype,
-         "--enforce-eager", "--max-model-len", "128", "--skip-tokenizer-init", "--host", "127.0.0.1",
-         "--port", str(port), "--worker-extension-cls", EXTENSION],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            directory,
+            "--dtype",
+            dtype,
+            "--enforce-eager",
+            "--max-model-len",
+            "128",
+            "--skip-tokenizer-init",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-extension-cls",
+            EXTENSION,
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while True:
@@ -105,8 +124,14 @@ def worker(spec: dict) -> dict:
     else:
         from vllm import LLM
 
-        engine = LLM(model=directory, dtype=spec["engine_dtype"], enforce_eager=True, max_model_len=128,
-                     skip_tokenizer_init=True, seed=0)  # fmt: skip
+        engine = LLM(
+            model=directory,
+            dtype=spec["engine_dtype"],
+            enforce_eager=True,
+            max_model_len=128,
+            skip_tokenizer_init=True,
+            seed=0,
+        )
     try:
         patch_model(model)
         optimizer = LoGRAOptimizer(model, rank=spec["rank"])
@@ -134,8 +159,11 @@ def worker(spec: dict) -> dict:
         # The yardstick as a transfer: the target layers' tensors (weights and biases: vLLM reloads
         # whole layers) in bf16, loaded the same way. Last, as it leaves bf16 values in the shadows.
         target_modules = {name.removesuffix(".weight") for name in sync._target_names}
-        layer_tensors = [(n, p.detach().to(torch.bfloat16)) for n, p in model.named_parameters()
-                         if n.rpartition(".")[0] in target_modules]  # fmt: skip
+        layer_tensors = [
+            (n, p.detach().to(torch.bfloat16))
+            for n, p in model.named_parameters()
+            if n.rpartition(".")[0] in target_modules
+        ]
         targets_full = []
         for _ in range(spec["runs"]):
             started = time.perf_counter()
@@ -196,16 +224,27 @@ def main(argv=None) -> None:
     results = []
     for mode in args.modes:
         for rank in args.ranks:
-            spec = dict(preset=args.preset, layers=args.layers, rank=rank, mode=mode, runs=args.runs,
-                        engine_dtype=args.engine_dtype)  # fmt: skip
-            process = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)],
-                                     capture_output=True, text=True)  # fmt: skip
+            spec = dict(
+                preset=args.preset,
+                layers=args.layers,
+                rank=rank,
+                mode=mode,
+                runs=args.runs,
+                engine_dtype=args.engine_dtype,
+            )
+            process = subprocess.run(
+                [sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True
+            )
             if process.returncode != 0:
                 sys.exit(f"worker {spec} failed:\n{process.stderr[-4000:]}")
             results.append(json.loads(process.stdout.strip().splitlines()[-1]))
             print(table(results[-1:]).splitlines()[-1], flush=True)
-    report = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-              "load_average": os.getloadavg(), "results": results}  # fmt: skip
+    report = {
+        "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
+        "results": results,
+    }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

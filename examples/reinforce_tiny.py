@@ -21,10 +21,17 @@ from logra_optim import LoGRAOptimizer, patch_model
 def build_policy(seed: int) -> Qwen2ForCausalLM:
     torch.manual_seed(seed)
     config = Qwen2Config(
-        vocab_size=64, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, max_position_embeddings=64, tie_word_embeddings=False,
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
         initializer_range=0.1,
-    )  # fmt: skip
+    )
     return Qwen2ForCausalLM(config)
 
 
@@ -52,9 +59,14 @@ def main() -> None:
         model.eval()
         with torch.no_grad():
             sequences = model.generate(
-                prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=response_length,
-                min_new_tokens=response_length, do_sample=True, top_k=0, pad_token_id=0,
-            )  # fmt: skip
+                prompts,
+                attention_mask=torch.ones_like(prompts),
+                max_new_tokens=response_length,
+                min_new_tokens=response_length,
+                do_sample=True,
+                top_k=0,
+                pad_token_id=0,
+            )
         response = sequences[:, prompt_length:]
         reward = torch.isin(response, allowed).float().mean(dim=1)
         mean_reward = float(reward.mean())

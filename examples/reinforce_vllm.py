@@ -37,15 +37,25 @@ def main() -> None:
     from logra_optim.integrations.vllm import VLLMSync
 
     torch.manual_seed(args.seed)
-    model = Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=64, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, max_position_embeddings=64, tie_word_embeddings=False,
-        initializer_range=0.1,
-    ))  # fmt: skip
+    model = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=64,
+            hidden_size=64,
+            intermediate_size=176,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+            initializer_range=0.1,
+        )
+    )
     directory = tempfile.mkdtemp(prefix="reinforce-vllm-")
     model.save_pretrained(directory)
-    llm = LLM(model=directory, dtype="float32", enforce_eager=True, max_model_len=64, skip_tokenizer_init=True,
-              seed=args.seed)  # fmt: skip
+    llm = LLM(
+        model=directory, dtype="float32", enforce_eager=True, max_model_len=64, skip_tokenizer_init=True, seed=args.seed
+    )
     allowed = torch.arange(0, 64, 4)  # 16 of 64 tokens: a random policy earns about 0.25
     prompt_length, response_length = 6, 8
 
@@ -54,8 +64,7 @@ def main() -> None:
     sync = VLLMSync(optimizer, llm, check_every=5)
 
     generator = torch.Generator().manual_seed(args.seed)
-    sampling = SamplingParams(max_tokens=response_length, min_tokens=response_length, temperature=1.0,
-                              seed=args.seed)  # fmt: skip
+    sampling = SamplingParams(max_tokens=response_length, min_tokens=response_length, temperature=1.0, seed=args.seed)
     baseline, drift = None, ""
     for step in range(1, args.steps + 1):
         stats = sync.sync()  # the engine now holds exactly the trainer's weights
@@ -81,8 +90,10 @@ def main() -> None:
         optimizer.zero_grad()
 
         if step == 1 or step % 10 == 0:
-            print(f"step {step:4d}  reward {mean_reward:.3f}  sync {stats['kind']:10s} "
-                  f"{stats['bytes'] / 1024:7.1f} KiB  {stats['seconds'] * 1000:6.1f} ms{drift}")  # fmt: skip
+            print(
+                f"step {step:4d}  reward {mean_reward:.3f}  sync {stats['kind']:10s} "
+                f"{stats['bytes'] / 1024:7.1f} KiB  {stats['seconds'] * 1000:6.1f} ms{drift}"
+            )
 
 
 if __name__ == "__main__":

@@ -51,10 +51,20 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 def build_model(seed: int) -> Qwen2ForCausalLM:
     torch.manual_seed(seed)
     config = Qwen2Config(
-        vocab_size=64, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, max_position_embeddings=64, tie_word_embeddings=False,
-        initializer_range=0.1, pad_token_id=60, eos_token_id=61, bos_token_id=63,
-    )  # fmt: skip
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+        pad_token_id=60,
+        eos_token_id=61,
+        bos_token_id=63,
+    )
     return Qwen2ForCausalLM(config)
 
 

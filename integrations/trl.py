@@ -82,8 +82,9 @@ class LoGRACallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.deepspeed_kwargs is not None and self.logra is None:
-            self.logra = LoGRAOptimizer(_unwrap(self.trainer.model), non_target_optimizer="external",
-                                        **self.deepspeed_kwargs)  # fmt: skip
+            self.logra = LoGRAOptimizer(
+                _unwrap(self.trainer.model), non_target_optimizer="external", **self.deepspeed_kwargs
+            )
             if self.resume_state is not None:
                 self.logra.load_state_dict(torch.load(self.resume_state, weights_only=True))
 
@@ -144,8 +145,9 @@ def attach_logra(
     except TypeError as error:
         raise TypeError(f"attach_logra: invalid LoGRAOptimizer options: {error}") from None
     if not (vllm_sync in ("compressed", "full") or isinstance(vllm_sync, dict)):
-        raise ValueError(f"attach_logra: vllm_sync must be 'compressed', 'full' or a dict of VLLMSync options, "
-                         f"got {vllm_sync!r}")  # fmt: skip
+        raise ValueError(
+            f"attach_logra: vllm_sync must be 'compressed', 'full' or a dict of VLLMSync options, got {vllm_sync!r}"
+        )
     if trainer.optimizer is not None:
         raise RuntimeError(
             "attach_logra: the trainer already has an optimizer (passed through optimizers=(...) or already "
@@ -223,8 +225,9 @@ def _use_compressed_vllm_sync(trainer: Trainer, callback: LoGRACallback, options
         if sync is None or sync.optimizer is not optimizer:  # first sync, or a rebuilt optimizer
             if sync is not None:
                 sync.close()
-            sync = holder["sync"] = VLLMSync(optimizer, generation.llm, named_parameters=generation._iter_named_params,
-                                             **options)  # fmt: skip
+            sync = holder["sync"] = VLLMSync(
+                optimizer, generation.llm, named_parameters=generation._iter_named_params, **options
+            )
         if generation.enable_sleep_mode:  # TRL sleeps at level 2 after generating: the weights are gone
             generation.llm.wake_up(tags=["weights"])
             generation._llm_weights_sleeping = False

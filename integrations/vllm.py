@@ -149,12 +149,18 @@ def engine_placements(model: nn.Module) -> dict[str, Placement]:
             )
             continue
         if isinstance(layer, QKVParallelLinear):
-            local = [layer.num_heads * layer.head_size, layer.num_kv_heads * layer.head_size,
-                     layer.num_kv_heads * layer.v_head_size]  # fmt: skip
+            local = [
+                layer.num_heads * layer.head_size,
+                layer.num_kv_heads * layer.head_size,
+                layer.num_kv_heads * layer.v_head_size,
+            ]
             kv_shard = tp_rank // layer.num_kv_head_replicas
             shards = [tp_rank, kv_shard, kv_shard]
-            full = [layer.total_num_heads * layer.head_size, layer.total_num_kv_heads * layer.head_size,
-                    layer.total_num_kv_heads * layer.v_head_size]  # fmt: skip
+            full = [
+                layer.total_num_heads * layer.head_size,
+                layer.total_num_kv_heads * layer.head_size,
+                layer.total_num_kv_heads * layer.v_head_size,
+            ]
         elif isinstance(layer, MergedColumnParallelLinear):
             full = list(layer.output_sizes)
             local, shards = [size // tp_size for size in full], [tp_rank] * len(full)
@@ -226,14 +232,20 @@ class EngineUpdater:
             layers = dict(model.named_modules())
             # In place only where every linear holds its plain (unpacked, unquantized) weight shard.
             inplace = all(
-                layers[p.module].weight.dim() == 2 and layers[p.module].weight.numel() > 0
+                layers[p.module].weight.dim() == 2
+                and layers[p.module].weight.numel() > 0
                 and isinstance(getattr(layers[p.module], "quant_method", None), UnquantizedLinearMethod)
                 for p in placements.values()
-            )  # fmt: skip
-            state = {"index": None, "mode": "inplace" if inplace else "reload", "placements": placements,
-                     "linear_modules": {p.module for p in placements.values()},
-                     "packed": getattr(model, "packed_modules_mapping", {}) or {},
-                     "shadows": {}, "shadow_dtype": torch.float32}  # fmt: skip
+            )
+            state = {
+                "index": None,
+                "mode": "inplace" if inplace else "reload",
+                "placements": placements,
+                "linear_modules": {p.module for p in placements.values()},
+                "packed": getattr(model, "packed_modules_mapping", {}) or {},
+                "shadows": {},
+                "shadow_dtype": torch.float32,
+            }
             self._state = state
         return state
 
@@ -353,8 +365,9 @@ class EngineUpdater:
             for target in update.targets:
                 if target.name not in staged:
                     staged[target.name] = state["shadows"][target.name].clone()
-                merge_low_rank_(staged[target.name], target.factor, projection_of(payload, target),
-                                stochastic_rounding=False)  # fmt: skip
+                merge_low_rank_(
+                    staged[target.name], target.factor, projection_of(payload, target), stochastic_rounding=False
+                )
         self._reload_with_groups(staged)
 
     def _apply_in_place(self, payload: SyncPayload) -> None:
@@ -404,8 +417,13 @@ class EngineUpdater:
     def status(self) -> dict:
         state = self._engine_state()
         shadow_bytes = sum(t.numel() * t.element_size() for t in state["shadows"].values())
-        return {"index": state["index"], "mode": state["mode"], "shadow_bytes": shadow_bytes,
-                "targets": len(state["placements"]), "dtype": str(self.worker.model_config.dtype)}  # fmt: skip
+        return {
+            "index": state["index"],
+            "mode": state["mode"],
+            "shadow_bytes": shadow_bytes,
+            "targets": len(state["placements"]),
+            "dtype": str(self.worker.model_config.dtype),
+        }
 
 
 def _updater(worker) -> EngineUpdater:
@@ -479,8 +497,12 @@ class _Server:
         self.url, self.timeout = url.rstrip("/"), timeout
 
     def _post(self, path: str, body: dict | None = None):
-        request = urllib.request.Request(self.url + path, data=json.dumps(body or {}).encode(),
-                                         headers={"Content-Type": "application/json"}, method="POST")  # fmt: skip
+        request = urllib.request.Request(
+            self.url + path,
+            data=json.dumps(body or {}).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
                 text = response.read().decode()
@@ -551,8 +573,11 @@ class VLLMSync:
         if not drift_bound > 0:
             raise ValueError(f"drift_bound must be positive, got {drift_bound!r}")
         if check_every and any(layout.kind != REPLICATED for layout in optimizer._layouts):
-            warnings.warn("VLLMSync: the trainer's target weights are sharded (FSDP2/ZeRO-3); the drift check "
-                          "needs whole weights and is off (check_every=0)", stacklevel=2)  # fmt: skip
+            warnings.warn(
+                "VLLMSync: the trainer's target weights are sharded (FSDP2/ZeRO-3); the drift check "
+                "needs whole weights and is off (check_every=0)",
+                stacklevel=2,
+            )
             check_every = 0
         self.optimizer = optimizer
         self.engine = _Server(engine) if isinstance(engine, str) else _Colocated(engine)
@@ -568,8 +593,9 @@ class VLLMSync:
         self.history: list[dict] = []
         model = optimizer._model
         targets = {id(m.weight) for m in optimizer._modules}
-        self._non_targets = [(canonical_name(n), p) for n, p in model.named_parameters()
-                             if p.requires_grad and id(p) not in targets]  # fmt: skip
+        self._non_targets = [
+            (canonical_name(n), p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in targets
+        ]
         # What a full sync sends (every parameter, whole, as held): more pending update bytes → full.
         self._full_bytes = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in model.parameters())
         self._target_names = [t.canonical_name + ".weight" for t in optimizer._targets]
@@ -626,8 +652,9 @@ class VLLMSync:
             measured = self.drift()
             stats.update(measured)
             if measured["drift"] > self.drift_bound or measured["served_drift"] > measured["served_bound"]:
-                warnings.warn(f"LoGRA sync: engine drift {measured} exceeds the bound; full sync",
-                              RuntimeWarning, stacklevel=2)  # fmt: skip
+                warnings.warn(
+                    f"LoGRA sync: engine drift {measured} exceeds the bound; full sync", RuntimeWarning, stacklevel=2
+                )
                 stats = {**self.full_sync(), **{key + "_before": value for key, value in measured.items()}}
         return self._logged(stats)
 
@@ -662,8 +689,10 @@ class VLLMSync:
         for name, module in zip(self._target_names, self.optimizer._modules):
             weight = module.weight.detach()
             probe = checksum_probe(projection_seed(seed, 0, name), weight.shape[1], device=weight.device)
-            trainer = {"drift": weight_checksum(weight.to(copy_dtype), probe).cpu(),
-                       "served_drift": weight_checksum(weight.to(served_dtype), probe).cpu()}  # fmt: skip
+            trainer = {
+                "drift": weight_checksum(weight.to(copy_dtype), probe).cpu(),
+                "served_drift": weight_checksum(weight.to(served_dtype), probe).cpu(),
+            }
             engine = {key: torch.zeros_like(value) for key, value in trainer.items()}
             for result in results:
                 start, copy, served, partial = result[name]
@@ -681,7 +710,12 @@ class VLLMSync:
         """``seconds``: the whole sync as the trainer waits for it; ``engine_seconds``: the engine's
         part (decode, regenerate ``A``, merge, reload)."""
         self.engine.reset_prefix_cache()
-        self.stats = {"kind": kind, "bytes": sent, "seconds": time.perf_counter() - started,
-                      "engine_seconds": engine_seconds, "update_index": self.optimizer.update_index}  # fmt: skip
+        self.stats = {
+            "kind": kind,
+            "bytes": sent,
+            "seconds": time.perf_counter() - started,
+            "engine_seconds": engine_seconds,
+            "update_index": self.optimizer.update_index,
+        }
         self.history.append(self.stats)
         return self.stats

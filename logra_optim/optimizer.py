@@ -269,8 +269,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
     def projection_for(self, index: int, update_index: int | None = None) -> torch.Tensor:
         """Regenerate ``A`` of target ``index`` (fp32, on its weight's device)."""
         weight, target = self._modules[index].weight, self._targets[index]
-        seed = projection_seed(self.seed, self.projection_index if update_index is None else update_index,
-                               target.canonical_name)  # fmt: skip
+        seed = projection_seed(
+            self.seed, self.projection_index if update_index is None else update_index, target.canonical_name
+        )
         return make_projection(seed, self.rank, self._layouts[index].shape[1], self.projection, device=weight.device)
 
     def _regenerate_projections(self) -> None:
@@ -313,8 +314,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                     parts.append(dp.local_sq_norm(weight, layout) / layout.holders)
             partials.append(_total(parts))
         local_finite = self._local_all_finite()
-        gathered = dp.gather_([self._fingerprint(), 0.0 if local_finite else 1.0, *partials], self._group,
-                              self._collective_device)  # fmt: skip
+        gathered = dp.gather_(
+            [self._fingerprint(), 0.0 if local_finite else 1.0, *partials], self._group, self._collective_device
+        )
         self._check_consistency(gathered[:, 0])
         totals = gathered[:, 2:].sum(dim=0).tolist()
         return bool(gathered[:, 1].sum() == 0), totals
@@ -360,8 +362,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         input_ids = input_ids.detach().clone()
         attention_mask = None if attention_mask is None else attention_mask.detach().clone()
         if probe_mask is None:
-            contexts = contexts_from_batch(input_ids, attention_mask, completion_mask=completion_mask,
-                                           temperature=temperature)  # fmt: skip
+            contexts = contexts_from_batch(
+                input_ids, attention_mask, completion_mask=completion_mask, temperature=temperature
+            )
         else:
             contexts = ProbeContexts(input_ids, attention_mask, probe_mask.detach().bool().clone(), float(temperature))
         if contexts.tokens == 0:
@@ -499,8 +502,13 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         if self.refresh:
             self._regenerate_projections()
         self._bank.zero_()
-        self.stats = {"alpha": alpha, "eta": plans[0][2], **kl_stats,
-                      "step_seconds": time.perf_counter() - started, **self._counters()}  # fmt: skip
+        self.stats = {
+            "alpha": alpha,
+            "eta": plans[0][2],
+            **kl_stats,
+            "step_seconds": time.perf_counter() - started,
+            **self._counters(),
+        }
         # Last: the step is complete whatever a hook does.
         for hook in list(self._merge_hooks.values()) if update is not None else ():
             hook(self, update)
@@ -532,8 +540,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         backup = []
         for index in range(len(self._modules)):
             gathered = self._gathered_copy(index)
-            backup.append((self._local(index).to("cpu", copy=True),
-                           None if gathered is None else gathered.to("cpu", copy=True)))  # fmt: skip
+            backup.append(
+                (self._local(index).to("cpu", copy=True), None if gathered is None else gathered.to("cpu", copy=True))
+            )
         return backup
 
     def _plan(self, group: dict, sharded_sq: float | None = None):
@@ -677,8 +686,12 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             self._merge(plans, alpha)
             kl_stats["realised_kl"] = realised
         elif realised > ceiling:
-            warnings.warn(f"LoGRA: realised KL {realised:.3g} exceeds the budget {budget_eff:.3g} after "
-                          f"{self.realised_kl_retries} retries", RuntimeWarning, stacklevel=3)  # fmt: skip
+            warnings.warn(
+                f"LoGRA: realised KL {realised:.3g} exceeds the budget {budget_eff:.3g} after "
+                f"{self.realised_kl_retries} retries",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         kl_stats["alpha_after_check"] = alpha
         kl_stats["predicted_step_kl"] = alpha**2 * kl_stats["predicted_kl"]
         return alpha
@@ -698,8 +711,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 gathered.view(-1)[layout.start : layout.stop] = local  # this rank's part exactly
 
     def _skip(self, why: str, reason: str) -> None:
-        warnings.warn(f"LoGRA: {why}; update skipped, weights and optimizer state unchanged",
-                      RuntimeWarning, stacklevel=3)  # fmt: skip
+        warnings.warn(
+            f"LoGRA: {why}; update skipped, weights and optimizer state unchanged", RuntimeWarning, stacklevel=3
+        )
         self.zero_grad()
         self.stats = {"skipped": reason, **self._counters()}
 

@@ -28,13 +28,27 @@ from .sketch import sketched_linear
 # GPT-NeoX/Falcon (query_key_value, dense*), Mixtral experts (w1, w2, w3).
 DEFAULT_TARGET_NAMES = frozenset(
     {
-        "q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj",
-        "gate_proj", "up_proj", "down_proj", "gate_up_proj",
-        "out_proj", "fc1", "fc2",
-        "query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h",
-        "w1", "w2", "w3",
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "qkv_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+        "gate_up_proj",
+        "out_proj",
+        "fc1",
+        "fc2",
+        "query_key_value",
+        "dense",
+        "dense_h_to_4h",
+        "dense_4h_to_h",
+        "w1",
+        "w2",
+        "w3",
     }
-)  # fmt: skip
+)
 
 
 @dataclass(eq=False)

@@ -102,9 +102,13 @@ class ContextRecorder:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
             return
         self.latest = contexts_from_batch(
-            input_ids, kwargs.get("attention_mask"), kwargs.get("labels"), kwargs.get("completion_mask"),
-            self.samples, self.temperature,
-        )  # fmt: skip
+            input_ids,
+            kwargs.get("attention_mask"),
+            kwargs.get("labels"),
+            kwargs.get("completion_mask"),
+            self.samples,
+            self.temperature,
+        )
 
     def remove(self) -> None:
         self.handle.remove()

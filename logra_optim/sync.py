@@ -124,8 +124,10 @@ class SyncPayload:
             updates = tuple(
                 Update(
                     int(u["index"]),
-                    tuple(TargetUpdate(str(t["name"]), int(t["seed"]), int(t["in_features"]), t["factor"])
-                          for t in u["targets"]),  # fmt: skip
+                    tuple(
+                        TargetUpdate(str(t["name"]), int(t["seed"]), int(t["in_features"]), t["factor"])
+                        for t in u["targets"]
+                    ),
                 )
                 for u in data["updates"]
             )

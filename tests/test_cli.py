@@ -16,8 +16,16 @@ from logra_optim.cli import main
 from logra_optim.cli import plan as plan_module
 from logra_optim.cli import tasks
 
-TINY_CONFIG = dict(hidden_size=64, intermediate_size=176, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                   vocab_size=300, num_hidden_layers=2, tie_word_embeddings=False)  # fmt: skip
+TINY_CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=176,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    vocab_size=300,
+    num_hidden_layers=2,
+    tie_word_embeddings=False,
+)
 TARGET_NAMES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -25,8 +33,14 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """The real command in a fresh process, as a user runs it."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "logra_optim.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, check=False)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "logra_optim.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
+    )
 
 
 def usage_error(capsys, *argv: str) -> str:
@@ -164,8 +178,27 @@ def test_quick_demo_learns_and_reports(tmp_path):
 
 def test_bench_on_the_tiny_preset(tmp_path):
     methods = "adamw,lora,galore,logra-sgd,logra-rowadam"
-    result = run_cli("bench", "--preset", "tiny", "--rank", "8", "--ranks", "4", "--methods", methods, "--rounds", "1",
-                     "--runs", "1", "--seq", "64", "--threads", "1", "--output", str(tmp_path))  # fmt: skip
+    result = run_cli(
+        "bench",
+        "--preset",
+        "tiny",
+        "--rank",
+        "8",
+        "--ranks",
+        "4",
+        "--methods",
+        methods,
+        "--rounds",
+        "1",
+        "--runs",
+        "1",
+        "--seq",
+        "64",
+        "--threads",
+        "1",
+        "--output",
+        str(tmp_path),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((tmp_path / "bench.json").read_text())
     labels = [r["label"] for r in data["results"]]
@@ -183,8 +216,21 @@ def test_bench_on_the_tiny_preset(tmp_path):
     assert (tmp_path / "bench.png").read_bytes()[:8] == PNG_MAGIC
 
     config = write_config(tmp_path / "model", bench_preset("tiny"))
-    plan = run_cli("plan", str(config), "--dtype", "fp32", "--batch", "2", "--seq", "64", "--rank", "8",
-                   "--no-checkpointing", "--measured", str(tmp_path / "bench.json"))  # fmt: skip
+    plan = run_cli(
+        "plan",
+        str(config),
+        "--dtype",
+        "fp32",
+        "--batch",
+        "2",
+        "--seq",
+        "64",
+        "--rank",
+        "8",
+        "--no-checkpointing",
+        "--measured",
+        str(tmp_path / "bench.json"),
+    )
     assert plan.returncode == 0, plan.stderr
     assert "measured peak" in plan.stdout and "predicted / measured" in plan.stdout
 
@@ -214,9 +260,17 @@ def write_config(directory, config: dict):
 
 SHAPES = [
     TINY_CONFIG,
-    dict(hidden_size=128, intermediate_size=352, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-         vocab_size=500, num_hidden_layers=3, tie_word_embeddings=True),
-]  # fmt: skip
+    dict(
+        hidden_size=128,
+        intermediate_size=352,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=500,
+        num_hidden_layers=3,
+        tie_word_embeddings=True,
+    ),
+]
 
 
 @pytest.mark.parametrize("config", SHAPES)
@@ -290,8 +344,15 @@ def test_activation_model_matches_what_autograd_saves(config, method):
 
 def test_plan_answers_the_27b_question(tmp_path):
     """A 27B-class config on 4 sharded 80 GB GPUs: the table prints, and dense AdamW does not fit."""
-    config = dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
-                  num_key_value_heads=4, head_dim=256, vocab_size=248320)  # fmt: skip
+    config = dict(
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=64,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        head_dim=256,
+        vocab_size=248320,
+    )
     result = run_cli("plan", str(write_config(tmp_path, config)), "--gpus", "4", "--rank", "256")
     assert result.returncode == 0, result.stderr
     fits = next(line for line in result.stdout.splitlines() if "fits 80 GiB" in line)
@@ -317,8 +378,19 @@ def test_demo_with_a_local_model_path(tmp_path):
     tokenizer = build_tokenizer()
     build_tiny_policy(tokenizer, seed=0).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    result = run_cli("demo", "--model", str(model_dir), "--steps", "3", "--methods", "logra", "--rank", "8",
-                     "--output", str(tmp_path / "out"))  # fmt: skip
+    result = run_cli(
+        "demo",
+        "--model",
+        str(model_dir),
+        "--steps",
+        "3",
+        "--methods",
+        "logra",
+        "--rank",
+        "8",
+        "--output",
+        str(tmp_path / "out"),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["settings"]["model"] == str(model_dir) and summary["settings"]["warm_start_steps"] == 0

@@ -39,8 +39,16 @@ deepspeed_available = pytest.mark.skipif(
 def torchrun(script: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """Launch ``script`` on 2 local ranks (gloo); returns the finished process."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               os.path.join(WORKERS, script), *args]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        os.path.join(WORKERS, script),
+        *args,
+    ]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -180,8 +188,10 @@ def test_guards_and_rank_summed_scalars(tmp_path):
         assert seen["collectives_kl"] == {"all_reduce": 2, "all_gather": 1}
 
 
-@pytest.mark.parametrize("engine", ["ddp", pytest.param("zero2", marks=deepspeed_available),
-                                    pytest.param("zero3", marks=deepspeed_available)])  # fmt: skip
+@pytest.mark.parametrize(
+    "engine",
+    ["ddp", pytest.param("zero2", marks=deepspeed_available), pytest.param("zero3", marks=deepspeed_available)],
+)
 def test_grpo_trainer_on_two_ranks(engine, tmp_path):
     """TRL's GRPOTrainer under torchrun (gloo, CPU) with DDP or DeepSpeed ZeRO-2 / ZeRO-3, LoGRA
     attached with attach_logra: every update is applied on both ranks identically (ZeRO-3: into the

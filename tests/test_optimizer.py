@@ -74,9 +74,15 @@ def two_linear(model_seed=0, **kwargs):
 def test_merge_matches_dense_reference(optimizer, mode, wire, refresh, kind, rank, steps, seed):
     size = {"lr": 0.05, "update_ratio": 1e-2}[mode]
     model, opt = two_linear(
-        model_seed=seed % 100, rank=rank, optimizer=optimizer, projection=kind, refresh=refresh, wire_dtype=wire,
-        seed=seed, **{mode: size},
-    )  # fmt: skip
+        model_seed=seed % 100,
+        rank=rank,
+        optimizer=optimizer,
+        projection=kind,
+        refresh=refresh,
+        wire_dtype=wire,
+        seed=seed,
+        **{mode: size},
+    )
     names = [n for n, _ in targets(model)]
     generator = torch.Generator().manual_seed(seed)
     moments = [torch.zeros(m.weight.shape[0], dtype=torch.float64) for _, m in targets(model)]

@@ -62,8 +62,13 @@ def test_realised_kl_check_needs_a_budget_and_no_non_target_optimizer():
         LoGRAOptimizer(model, rank=4, realised_kl_check=True)
     model.lm_head.weight.requires_grad_(True)
     with pytest.raises(ValueError, match="realised_kl_check cannot be combined with non_target_optimizer"):
-        LoGRAOptimizer(model, rank=4, kl_budget=1e-3, realised_kl_check=True,
-                       non_target_optimizer=lambda params: torch.optim.SGD(params, lr=0.1))  # fmt: skip
+        LoGRAOptimizer(
+            model,
+            rank=4,
+            kl_budget=1e-3,
+            realised_kl_check=True,
+            non_target_optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        )
 
 
 def test_finite_difference_probe_on_bf16_weights_warns():
@@ -213,8 +218,9 @@ def test_realised_kl_check_also_corrects_an_undershoot(fitted_model):
     """Outside the quadratic regime the prediction overshoots the true KL (here by ~12%); the check
     measures it and raises α until the step lands within the tolerance."""
     budget, temperature = 1e-4, 0.7
-    opt, old, new = _one_step_at_temperature(*fitted_model, budget, temperature, realised_kl_check=True,
-                                             realised_kl_tolerance=0.03)  # fmt: skip
+    opt, old, new = _one_step_at_temperature(
+        *fitted_model, budget, temperature, realised_kl_check=True, realised_kl_tolerance=0.03
+    )
     assert opt.stats["realised_kl_retries"] >= 1
     assert opt.stats["alpha"] > (budget / opt.stats["predicted_kl"]) ** 0.5  # raised above the prediction's α
     assert 0.97 <= float(exact_kl_terms(old, new, temperature).mean()) / budget <= 1.03
@@ -231,8 +237,15 @@ def test_non_finite_realised_kl_restores_the_weights_and_skips(fitted_model):
         logits = model(input_ids=contexts.input_ids).logits
         return logits if len(calls) == 1 else logits * float("nan")
 
-    opt = LoGRAOptimizer(model, rank=16, kl_budget=1e-4, update_ratio=5e-3, alpha_max=100.0,
-                         realised_kl_check=True, probe_logits_fn=logits_turning_nan)  # fmt: skip
+    opt = LoGRAOptimizer(
+        model,
+        rank=16,
+        kl_budget=1e-4,
+        update_ratio=5e-3,
+        alpha_max=100.0,
+        realised_kl_check=True,
+        probe_logits_fn=logits_turning_nan,
+    )
     model(**batch).loss.backward()
     weights = [p.clone() for p in model.parameters()]
     with pytest.warns(RuntimeWarning, match="realised KL nan"):

@@ -34,12 +34,18 @@ def _payload(first=1, updates=2, rank=3, shapes=((5, 7), (4, 6)), dtype=torch.bf
         rank,
         "rademacher",
         tuple(
-            Update(first + u, tuple(
-                TargetUpdate(f"layer{i}.weight", 1000 * u + i, k, torch.randn(d, rank, generator=generator).to(dtype))
-                for i, (d, k) in enumerate(shapes)))
+            Update(
+                first + u,
+                tuple(
+                    TargetUpdate(
+                        f"layer{i}.weight", 1000 * u + i, k, torch.randn(d, rank, generator=generator).to(dtype)
+                    )
+                    for i, (d, k) in enumerate(shapes)
+                ),
+            )
             for u in range(updates)
         ),
-    )  # fmt: skip
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -60,7 +66,11 @@ def test_payload_round_trip_is_exact(first, updates, rank, shapes, dtype):
     assert loaded["format"] == "logra-sync" and loaded["version"] == PAYLOAD_VERSION
     decoded = SyncPayload.decode(data)
     assert (decoded.rank, decoded.projection, decoded.first_index, decoded.last_index) == (
-        rank, "rademacher", first, first + updates - 1)  # fmt: skip
+        rank,
+        "rademacher",
+        first,
+        first + updates - 1,
+    )
     for a, b in zip(payload.updates, decoded.updates):
         assert a.index == b.index
         for x, y in zip(a.targets, b.targets):
@@ -196,8 +206,10 @@ def test_fused_qkv_placements_match_dense_reference(tp_size, heads_per_rank, kv_
         return  # not a valid attention geometry
     rank = min(rank, hidden)
     generator = torch.Generator().manual_seed(seed)
-    dense = {m: torch.randn(n * head_dim, hidden, generator=generator, dtype=torch.float64)
-             for m, n in (("q", heads), ("k", kv_heads), ("v", kv_heads))}  # fmt: skip
+    dense = {
+        m: torch.randn(n * head_dim, hidden, generator=generator, dtype=torch.float64)
+        for m, n in (("q", heads), ("k", kv_heads), ("v", kv_heads))
+    }
     factors = {m: torch.randn(w.shape[0], rank, generator=generator, dtype=torch.float64) for m, w in dense.items()}
     projection = make_projection(seed, rank, hidden, "gaussian", dtype=torch.float64)
     updated = {m: dense[m] - factors[m] @ projection for m in dense}
@@ -206,10 +218,13 @@ def test_fused_qkv_placements_match_dense_reference(tp_size, heads_per_rank, kv_
     for tp_rank in range(tp_size):
         local = _qkv_local_reference(*dense.values(), heads, kv_heads, head_dim, tp_rank, tp_size)
         placements = column_parallel_placements(
-            "qkv_proj", ["q", "k", "v"], [w.shape[0] for w in dense.values()],
-            [heads_per_rank * head_dim, kv_local, kv_local], [tp_rank, tp_rank // replicas, tp_rank // replicas],
+            "qkv_proj",
+            ["q", "k", "v"],
+            [w.shape[0] for w in dense.values()],
+            [heads_per_rank * head_dim, kv_local, kv_local],
+            [tp_rank, tp_rank // replicas, tp_rank // replicas],
             hidden,
-        )  # fmt: skip
+        )
         for member, placement in placements.items():
             assert (placement.out_features, placement.in_features) == tuple(dense[member].shape)
             update = factors[member][placement.factor_rows] @ projection[:, placement.projection_cols]
@@ -233,8 +248,9 @@ def test_merged_and_row_parallel_placements_match_dense_reference(tp_size, rows,
     for tp_rank in range(tp_size):
         rows_of = slice(tp_rank * shard, (tp_rank + 1) * shard)
         local = torch.cat([gate[rows_of], up[rows_of]])
-        placements = column_parallel_placements("gate_up_proj", ["gate", "up"], [intermediate] * 2, [shard] * 2,
-                                                [tp_rank] * 2, hidden)  # fmt: skip
+        placements = column_parallel_placements(
+            "gate_up_proj", ["gate", "up"], [intermediate] * 2, [shard] * 2, [tp_rank] * 2, hidden
+        )
         for member, factor in (("gate", f_gate), ("up", f_up)):
             p = placements[member]
             local[p.param_rows] -= factor[p.factor_rows] @ a_in[:, p.projection_cols]

@@ -106,14 +106,22 @@ def run(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
     model = setup.save_policy(directory / "policy") if spec["from_path"] else setup.build_policy()
     watch = GradWatch()
-    trainer = setup.build_trainer(spec["kind"], model, directory / "out", callbacks=[watch], max_steps=STEPS,
-                                  **spec["config"])  # fmt: skip
+    trainer = setup.build_trainer(
+        spec["kind"], model, directory / "out", callbacks=[watch], max_steps=STEPS, **spec["config"]
+    )
     before = setup.parameters(trainer.model)
     ref_before = setup.parameters(trainer.ref_model) if getattr(trainer, "ref_model", None) is not None else None
     callback = quiet_attach(trainer)
     trainer.train()
-    return dict(name=request.param, trainer=trainer, watch=watch, callback=callback, before=before,
-                ref_before=ref_before, directory=directory)  # fmt: skip
+    return dict(
+        name=request.param,
+        trainer=trainer,
+        watch=watch,
+        callback=callback,
+        before=before,
+        ref_before=ref_before,
+        directory=directory,
+    )
 
 
 def test_trainer_uses_logra_and_patches_its_own_model(run):
@@ -207,8 +215,10 @@ def test_saved_model_loads_in_plain_transformers(run, how, tmp_path):
     from safetensors import safe_open
 
     reference.save_pretrained(str(tmp_path / "reference"))
-    with safe_open(str(tmp_path / "model.safetensors"), "pt") as saved, \
-         safe_open(str(tmp_path / "reference" / "model.safetensors"), "pt") as plain:  # fmt: skip
+    with (
+        safe_open(str(tmp_path / "model.safetensors"), "pt") as saved,
+        safe_open(str(tmp_path / "reference" / "model.safetensors"), "pt") as plain,
+    ):
         assert sorted(saved.keys()) == sorted(plain.keys())
     # Same function: the loaded model gives the trained model's logits.
     ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
@@ -261,6 +271,7 @@ def test_resume_from_checkpoint_is_bit_identical(kind, tmp_path):
             assert optimizer.state[mine].keys() == reference.state[theirs].keys()
             for key, value in optimizer.state[mine].items():
                 assert torch.equal(value, reference.state[theirs][key]), key
+
     # The resumed run sampled the same completions: same rewards at steps 3 and 4.
     def rewards(trainer):
         return [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
@@ -276,8 +287,14 @@ def test_grpo_improves_reward_on_toy_task(tmp_path):
     """50 GRPO steps of 8 prompts × 4 completions: the mean reward of the last 5 logged steps beats
     the first 5 by a wide margin (seed 0 here: 0.26 → 0.95; seeds 1–4 gain 0.34–0.57 over 10-step
     windows; a random policy earns ≈ 0.25)."""
-    trainer = setup.build_trainer("grpo", setup.build_policy(), tmp_path, max_steps=50,
-                                  per_device_train_batch_size=32, lr_scheduler_type="constant")  # fmt: skip
+    trainer = setup.build_trainer(
+        "grpo",
+        setup.build_policy(),
+        tmp_path,
+        max_steps=50,
+        per_device_train_batch_size=32,
+        lr_scheduler_type="constant",
+    )
     quiet_attach(trainer)
     trainer.train()
     first = setup.mean_logged(trainer.state.log_history, "reward", slice(None, 5))
@@ -310,9 +327,12 @@ def test_mismatch_from_grpo_batches_reaches_the_step_control(tmp_path):
     steps, w = 4, 0.3
     args = setup.make_config("grpo", tmp_path, max_steps=steps, num_iterations=2, gradient_accumulation_steps=2)
     trainer = GRPOWithRolloutLogps(
-        model=setup.build_policy(), reward_funcs=setup.allowed_fraction_reward, args=args,
-        train_dataset=setup.prompt_dataset(), processing_class=setup.build_tokenizer(),
-    )  # fmt: skip
+        model=setup.build_policy(),
+        reward_funcs=setup.allowed_fraction_reward,
+        args=args,
+        train_dataset=setup.prompt_dataset(),
+        processing_class=setup.build_tokenizer(),
+    )
     quiet_attach(trainer, mismatch_ema=w)
     trainer.train()
     logged = [entry for entry in trainer.state.log_history if "logra/mismatch" in entry]
@@ -362,9 +382,18 @@ def test_plain_transformers_trainer_trains_with_logra(tmp_path):
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, setup.N_WORDS, (16, 10), generator=generator).tolist()
     dataset = Dataset.from_dict({"input_ids": ids, "labels": ids})
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", max_steps=2,
-                             per_device_train_batch_size=4, logging_steps=1, save_strategy="no",
-                             disable_tqdm=True, seed=0)  # fmt: skip
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        max_steps=2,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
     trainer = Trainer(model=setup.build_policy(), args=args, train_dataset=dataset)
     before = setup.parameters(trainer.model)
     quiet_attach(trainer, temperature=1.0)
@@ -420,9 +449,14 @@ def test_attach_to_something_that_is_not_a_trainer(thing):
 def test_attach_to_peft_wrapped_model(tmp_path):
     peft = pytest.importorskip("peft")
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    trainer = GRPOTrainer(model=setup.build_policy(), reward_funcs=setup.allowed_fraction_reward,
-                          args=setup.make_config("grpo", tmp_path), train_dataset=setup.prompt_dataset(),
-                          processing_class=setup.build_tokenizer(), peft_config=config)  # fmt: skip
+    trainer = GRPOTrainer(
+        model=setup.build_policy(),
+        reward_funcs=setup.allowed_fraction_reward,
+        args=setup.make_config("grpo", tmp_path),
+        train_dataset=setup.prompt_dataset(),
+        processing_class=setup.build_tokenizer(),
+        peft_config=config,
+    )
     with pytest.raises(ValueError, match="PEFT"):
         attach_logra(trainer, **setup.LOGRA_KWARGS)
     assert not patched_modules(trainer.model)
@@ -446,8 +480,14 @@ def test_max_grad_norm_warns_and_is_disabled(tmp_path):
 
 def run_example(script: str, *args: str, timeout: float = 300) -> str:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run([sys.executable, str(REPO / "examples" / script), *args], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, str(REPO / "examples" / script), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert result.returncode == 0, f"{script} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result.stdout
 
@@ -464,8 +504,11 @@ def test_example_trl_grpo_marks_the_two_logra_lines():
 
     source = (REPO / "examples" / "trl_grpo.py").read_text()
     lines = source.splitlines()
-    comments = [tok for tok in tokenize.generate_tokens(io.StringIO(source).readline)
-                if tok.type == tokenize.COMMENT and tok.string.startswith("# LoGRA:")]  # fmt: skip
+    comments = [
+        tok
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+        if tok.type == tokenize.COMMENT and tok.string.startswith("# LoGRA:")
+    ]
     marked = [lines[tok.start[0] - 1] for tok in comments]
     assert len(marked) == 2, marked
     assert "import attach_logra" in marked[0] and "attach_logra(trainer" in marked[1]

@@ -56,12 +56,14 @@ def test_twenty_compressed_syncs_keep_engine_equal_to_trainer(llm):
     # qkv layer (whose other tensors the engine must then reload from its shadows).
     model.model.norm.weight.requires_grad_(True)
     model.model.layers[1].self_attn.q_proj.bias.requires_grad_(True)
-    optimizer = LoGRAOptimizer(model, rank=8, update_ratio=2e-2,
-                               non_target_optimizer=lambda p: torch.optim.SGD(p, lr=1e-1))  # fmt: skip
+    optimizer = LoGRAOptimizer(
+        model, rank=8, update_ratio=2e-2, non_target_optimizer=lambda p: torch.optim.SGD(p, lr=1e-1)
+    )
     sync = VLLMSync(optimizer, llm, check_every=5)
     sent_families: set[str] = set()
-    optimizer.register_merge_hook(lambda opt, update: sent_families.update(
-        t.name.split(".")[-2] for t in update.targets))  # fmt: skip
+    optimizer.register_merge_hook(
+        lambda opt, update: sent_families.update(t.name.split(".")[-2] for t in update.targets)
+    )
 
     assert sync.sync()["kind"] == "full"
     initial = engine_logprobs(llm)
@@ -109,9 +111,13 @@ def test_bad_payloads_are_rejected_and_leave_the_engine_untouched(llm):
     version["version"] = PAYLOAD_VERSION + 1
     buffer = io.BytesIO()
     torch.save(version, buffer)
-    cases = [(wrong_rows.encode(), "is for a 65×64 matrix"), (unknown.encode(), "not a linear weight of this engine"),
-             (wrong_k.encode(), "is for a 64×65 matrix"), (skipped.encode(), "engine is at update 0"),
-             (buffer.getvalue(), "version")]  # fmt: skip
+    cases = [
+        (wrong_rows.encode(), "is for a 65×64 matrix"),
+        (unknown.encode(), "not a linear weight of this engine"),
+        (wrong_k.encode(), "is for a 64×65 matrix"),
+        (skipped.encode(), "engine is at update 0"),
+        (buffer.getvalue(), "version"),
+    ]
     for data, message in cases:
         with pytest.raises(PayloadError, match=message):
             llm.collective_rpc("logra_apply", args=(data,))  # the extension's method, as a server calls it
@@ -230,15 +236,37 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_server_mode_over_loopback(policy_path, tmp_path):
     port = _free_port()
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
+    env = dict(
+        os.environ,
+        VLLM_SERVER_DEV_MODE="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        HF_HUB_OFFLINE="1",
+        PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]),
+    )
     log = open(tmp_path / "server.log", "w")
     server = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", policy_path, "--dtype", "float32",
-         "--enforce-eager", "--max-model-len", "64", "--host", "127.0.0.1", "--port", str(port),
-         "--worker-extension-cls", EXTENSION],
-        env=env, stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            policy_path,
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--max-model-len",
+            "64",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-extension-cls",
+            EXTENSION,
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 240
@@ -255,11 +283,15 @@ def test_server_mode_over_loopback(policy_path, tmp_path):
             result = []
             for prompt in PROMPTS:
                 body = {"model": policy_path, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 0}
-                request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                                 headers={"Content-Type": "application/json"})  # fmt: skip
+                request = urllib.request.Request(
+                    url + "/v1/completions",
+                    data=json.dumps(body).encode(),
+                    headers={"Content-Type": "application/json"},
+                )
                 entries = json.load(urllib.request.urlopen(request))["choices"][0]["prompt_logprobs"][1:]
-                result.append(torch.tensor([e[str(t)]["logprob"] for e, t in zip(entries, prompt[1:])],
-                                           dtype=torch.float64))  # fmt: skip
+                result.append(
+                    torch.tensor([e[str(t)]["logprob"] for e, t in zip(entries, prompt[1:])], dtype=torch.float64)
+                )
             return result
 
         model, optimizer = _trainer(seed=4)
@@ -291,8 +323,13 @@ def test_grpo_with_colocated_vllm_trains_and_syncs_compressed(tmp_path):
     ``use_vllm=True`` colocated and LoGRA; see the worker for what is checked."""
     result_path = tmp_path / "result.json"
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE)]))
-    process = subprocess.run([sys.executable, os.path.join(HERE, "vllm_workers", "grpo_colocate.py"), str(tmp_path),
-                              str(result_path)], env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    process = subprocess.run(
+        [sys.executable, os.path.join(HERE, "vllm_workers", "grpo_colocate.py"), str(tmp_path), str(result_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-5000:]
     result = json.loads(result_path.read_text())
     print(result)
@@ -311,8 +348,13 @@ def test_grpo_with_colocated_vllm_trains_and_syncs_compressed(tmp_path):
 
 def test_example_reinforce_vllm_runs():
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    result = subprocess.run([sys.executable, os.path.join(os.path.dirname(HERE), "examples", "reinforce_vllm.py"),
-                             "--steps", "10"], env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, os.path.join(os.path.dirname(HERE), "examples", "reinforce_vllm.py"), "--steps", "10"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith("step")]
     assert "full" in lines[0] and "compressed" in lines[-1] and "drift" in lines[-1], lines
@@ -323,9 +365,13 @@ def test_engine_in_its_own_process(tmp_path):
     through the extension, with every argument as bytes."""
     result_path = tmp_path / "result.json"
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE)]))
-    process = subprocess.run([sys.executable, os.path.join(HERE, "vllm_workers", "multiprocess_engine.py"),
-                              str(tmp_path), str(result_path)], env=env, capture_output=True, text=True,
-                             timeout=600)  # fmt: skip
+    process = subprocess.run(
+        [sys.executable, os.path.join(HERE, "vllm_workers", "multiprocess_engine.py"), str(tmp_path), str(result_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-5000:]
     result = json.loads(result_path.read_text())
     assert result["multiprocess"] == "SyncMPClient", result

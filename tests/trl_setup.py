@@ -51,11 +51,20 @@ def build_policy(seed: int = 0):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
-        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, max_position_embeddings=64, tie_word_embeddings=False,
-        initializer_range=0.1, pad_token_id=SPECIAL["<pad>"], eos_token_id=SPECIAL["<eos>"],
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+        pad_token_id=SPECIAL["<pad>"],
+        eos_token_id=SPECIAL["<eos>"],
         bos_token_id=SPECIAL["<bos>"],
-    )  # fmt: skip
+    )
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(config)
 

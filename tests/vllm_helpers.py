@@ -20,8 +20,9 @@ def build_engine(path: str, **overrides):
 
     from logra_optim.integrations.vllm import EXTENSION
 
-    options = dict(model=path, dtype="float32", enforce_eager=True, max_model_len=64, seed=0,
-                   worker_extension_cls=EXTENSION)  # fmt: skip
+    options = dict(
+        model=path, dtype="float32", enforce_eager=True, max_model_len=64, seed=0, worker_extension_cls=EXTENSION
+    )
     options.update(overrides)
     return LLM(**options)
 
@@ -30,11 +31,13 @@ def engine_logprobs(llm, prompts=PROMPTS) -> list[torch.Tensor]:
     """Log-probability the engine gives each prompt token after the first."""
     from vllm import SamplingParams
 
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1, prompt_logprobs=0),
-                           use_tqdm=False)  # fmt: skip
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False
+    )
     return [
-        torch.tensor([entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], prompt[1:])],
-                     dtype=torch.float64)  # fmt: skip
+        torch.tensor(
+            [entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], prompt[1:])], dtype=torch.float64
+        )
         for out, prompt in zip(outputs, prompts)
     ]
 

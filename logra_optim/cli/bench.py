@@ -41,15 +41,44 @@ GIB = 2**30
 # (the full 24–28 do not fit dense AdamW into this 24 GiB, 2-core machine). Embeddings keep their
 # real vocabulary: their memory is part of what every method pays.
 PRESETS: dict[str, dict] = {
-    "tiny": dict(hidden_size=64, intermediate_size=176, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                 vocab_size=256, num_hidden_layers=2, tie_word_embeddings=False),
-    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2,
-                         vocab_size=151936, num_hidden_layers=24, tie_word_embeddings=True),
-    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2,
-                         vocab_size=151936, num_hidden_layers=28, tie_word_embeddings=True),
-    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
-                       vocab_size=152064, num_hidden_layers=28, tie_word_embeddings=False),
-}  # fmt: skip
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=176,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        vocab_size=256,
+        num_hidden_layers=2,
+        tie_word_embeddings=False,
+    ),
+    "qwen2.5-0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        num_hidden_layers=24,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        num_hidden_layers=28,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-7b": dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        num_hidden_layers=28,
+        tie_word_embeddings=False,
+    ),
+}
 DEFAULT_LAYERS = {"tiny": 2, "qwen2.5-0.5b": 2, "qwen2.5-1.5b": 2, "qwen2.5-7b": 1}
 
 
@@ -73,10 +102,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=positive_int, help="keep this many decoder layers (default: the preset's)")
     parser.add_argument("--rank", type=positive_int, default=64, help="rank of LoGRA, LoRA and GaLore")
     parser.add_argument("--ranks", type=int_list, default=[], help="extra LoGRA RowAdam ranks (comma-separated)")
-    parser.add_argument("--methods", type=choice_list(METHODS), default=list(METHODS),
-                        help=f"comma-separated subset of {','.join(METHODS)}")  # fmt: skip
-    parser.add_argument("--kl-budget", type=float, default=None,
-                        help="run LoGRA with predicted-KL control (its JVP probe each step); unset: no KL control")
+    parser.add_argument(
+        "--methods",
+        type=choice_list(METHODS),
+        default=list(METHODS),
+        help=f"comma-separated subset of {','.join(METHODS)}",
+    )
+    parser.add_argument(
+        "--kl-budget",
+        type=float,
+        default=None,
+        help="run LoGRA with predicted-KL control (its JVP probe each step); unset: no KL control",
+    )
     parser.add_argument("--batch", type=positive_int, default=2)
     parser.add_argument("--seq", type=positive_int, default=512)
     parser.add_argument("--warmup", type=positive_int, default=1)
@@ -128,8 +165,9 @@ def make_optimizer(model, method: str, rank: int, kl_budget: float | None = None
     from logra_optim import LoGRAOptimizer, find_target_modules, patch_model
 
     if method.startswith("logra-"):
-        optimizer = LoGRAOptimizer(patch_model(model), rank=rank, optimizer=method.removeprefix("logra-"),
-                                   kl_budget=kl_budget)  # fmt: skip
+        optimizer = LoGRAOptimizer(
+            patch_model(model), rank=rank, optimizer=method.removeprefix("logra-"), kl_budget=kl_budget
+        )
         return model, optimizer
     targets = find_target_modules(model)
     if method == "lora":
@@ -232,27 +270,33 @@ def _check_ranks(spec: dict, ranks: list[int], parser: argparse.ArgumentParser) 
         return  # not a Llama-style config: the workers' own checks will name the module
     smallest = min(min(d, k) for d, k in shape.targets())
     if ranks and (ranks[0] < 1 or ranks[-1] > smallest):
-        parser.error(f"--rank/--ranks {ranks}: every rank must be in 1…{smallest}, the smallest target "
-                     "dimension of this model")  # fmt: skip
+        parser.error(
+            f"--rank/--ranks {ranks}: every rank must be in 1…{smallest}, the smallest target dimension of this model"
+        )
 
 
 def run_configuration(spec: dict) -> dict:
     command = [sys.executable, "-m", "logra_optim.cli.bench", "--worker", json.dumps(spec)]
     process = subprocess.run(command, capture_output=True, text=True, check=False)
     if process.returncode != 0:
-        raise RuntimeError(f"{spec['method']} r={spec['rank']} failed (exit {process.returncode}):\n"
-                           f"{process.stderr[-3000:]}")  # fmt: skip
+        raise RuntimeError(
+            f"{spec['method']} r={spec['rank']} failed (exit {process.returncode}):\n{process.stderr[-3000:]}"
+        )
     return json.loads(process.stdout.strip().splitlines()[-1])
 
 
 def summarize(config: Configuration, samples: list[dict]) -> dict:
     steps = [t for sample in samples for t in sample["step_s"]]
     return {
-        "label": config.label, "method": config.method, "rank": config.rank,
-        "step_s": statistics.median(steps), "step_times_s": steps,
+        "label": config.label,
+        "method": config.method,
+        "rank": config.rank,
+        "step_s": statistics.median(steps),
+        "step_times_s": steps,
         "peak_bytes": max(s["peak_bytes"] for s in samples),
-        "trained_params": samples[0]["trained_params"], "total_params": samples[0]["total_params"],
-    }  # fmt: skip
+        "trained_params": samples[0]["trained_params"],
+        "total_params": samples[0]["total_params"],
+    }
 
 
 def table(results: list[dict]) -> tuple[list[str], list[list[str]]]:
@@ -299,9 +343,19 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
         parser.error(f"--config {args.config}: no such file")
     device = resolve_device(args.device)
     layers = args.layers or (None if (args.model or args.config) else DEFAULT_LAYERS[args.preset])
-    base_spec = dict(preset=args.preset, config=args.config, model=args.model, layers=layers, batch=args.batch,
-                     seq=args.seq, warmup=args.warmup, runs=args.runs, threads=args.threads, device=device,
-                     kl_budget=args.kl_budget)  # fmt: skip
+    base_spec = dict(
+        preset=args.preset,
+        config=args.config,
+        model=args.model,
+        layers=layers,
+        batch=args.batch,
+        seq=args.seq,
+        warmup=args.warmup,
+        runs=args.runs,
+        threads=args.threads,
+        device=device,
+        kl_budget=args.kl_budget,
+    )
     console = Console(stderr=True)
     configs, skipped = [], {}
     for method in args.methods:
@@ -332,8 +386,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
     results = [summarize(config, runs) for config, runs in samples.items()]
     source = args.model or args.config or f"preset {args.preset}"
     base_params = next(r["total_params"] for r in results if not r["method"] == "lora")  # LoRA adds adapters
-    title = (f"{source}, {samples[configs[0]][0]['layers']} layers, {base_params / 1e6:.0f} M params; "
-             f"batch {args.batch}×{args.seq}; {device}; median of {args.rounds}×{args.runs} steps")  # fmt: skip
+    title = (
+        f"{source}, {samples[configs[0]][0]['layers']} layers, {base_params / 1e6:.0f} M params; "
+        f"batch {args.batch}×{args.seq}; {device}; median of {args.rounds}×{args.runs} steps"
+    )
     headers, rows = table(results)
     rich_table = Table(title=title, title_justify="left")
     for i, header in enumerate(headers):
@@ -344,12 +400,25 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
 
     output = Path(args.output)
     command = "logra bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else "logra bench"
-    meta = {"command": command, "title": title, "device": device, "machine": platform.machine(),
-            "skipped": skipped, "seconds": time.perf_counter() - started, **base_spec}  # fmt: skip
+    meta = {
+        "command": command,
+        "title": title,
+        "device": device,
+        "machine": platform.machine(),
+        "skipped": skipped,
+        "seconds": time.perf_counter() - started,
+        **base_spec,
+    }
     (output / "bench.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-    markdown = [f"{title}.", "", f"Command: `{command}`", "", "| " + " | ".join(headers) + " |",
-                "|" + "|".join("---" if i == 0 else "---:" for i in range(len(headers))) + "|",
-                *("| " + " | ".join(row) + " |" for row in rows)]  # fmt: skip
+    markdown = [
+        f"{title}.",
+        "",
+        f"Command: `{command}`",
+        "",
+        "| " + " | ".join(headers) + " |",
+        "|" + "|".join("---" if i == 0 else "---:" for i in range(len(headers))) + "|",
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]
     (output / "bench.md").write_text("\n".join(markdown) + "\n")
     plot(results, output / "bench.png", title)
     console.print(f"results: {output / 'bench.json'}, {output / 'bench.md'}, {output / 'bench.png'}")

@@ -98,11 +98,19 @@ def build_tiny_policy(tokenizer, seed: int):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=352, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
-        tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
-    )  # fmt: skip
+    )
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(config)
 
@@ -154,8 +162,9 @@ def warm_start(model, tokenizer, settings: DemoSettings, seed: int, device, prog
 
     model.to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
-    problems = tasks.make_problems(settings.task, settings.warm_start_steps * 32, digits=settings.digits,
-                                   style=settings.style, seed=10_000 + seed)  # fmt: skip
+    problems = tasks.make_problems(
+        settings.task, settings.warm_start_steps * 32, digits=settings.digits, style=settings.style, seed=10_000 + seed
+    )
     validation = tasks.make_problems(settings.task, 128, digits=settings.digits, style=settings.style, seed=20_000)
     reached = {"steps": 0, "reward": float("nan")}
     for step in range(settings.warm_start_steps):
@@ -178,8 +187,9 @@ def evaluate(model, tokenizer, settings: DemoSettings, device, problems=None) ->
     import torch
 
     if problems is None:
-        problems = tasks.make_problems(settings.task, EVAL_PROBLEMS, digits=settings.digits, style=settings.style,
-                                       seed=EVAL_SEED)  # fmt: skip
+        problems = tasks.make_problems(
+            settings.task, EVAL_PROBLEMS, digits=settings.digits, style=settings.style, seed=EVAL_SEED
+        )
     was_training = model.training
     model.eval()
     scores = []
@@ -189,9 +199,12 @@ def evaluate(model, tokenizer, settings: DemoSettings, device, problems=None) ->
             batch = tokenizer([p.prompt for p in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
             batch = batch.to(device)
             generated = model.generate(
-                **batch, max_new_tokens=tasks.answer_length(settings.task, settings.digits) + 1, do_sample=False,
-                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-            )  # fmt: skip
+                **batch,
+                max_new_tokens=tasks.answer_length(settings.task, settings.digits) + 1,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
             texts = tokenizer.batch_decode(generated[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
             scores += [tasks.score(text, p.answer) for text, p in zip(texts, chunk)]
     model.train(was_training)
@@ -246,13 +259,18 @@ def run_worker(settings: DemoSettings, method: str, seed: int) -> dict:
     model, tokenizer = load_policy(settings, str(Path(settings.output) / "warm_start" / f"seed{seed}"))
     model.to(device)
     before = evaluate(model, tokenizer, settings, device)
-    problems = tasks.make_problems(settings.task, settings.steps * settings.batch_size, digits=settings.digits,
-                                   style=settings.style, seed=seed)  # fmt: skip
+    problems = tasks.make_problems(
+        settings.task, settings.steps * settings.batch_size, digits=settings.digits, style=settings.style, seed=seed
+    )
     dataset = Dataset.from_dict({"prompt": [p.prompt for p in problems], "answer": [p.answer for p in problems]})
     trainer = GRPOTrainer(
-        model=model, reward_funcs=tasks.reward, args=_grpo_config(settings, method, seed, device),
-        train_dataset=dataset, processing_class=tokenizer, callbacks=[progress_callback(settings.steps)],
-    )  # fmt: skip
+        model=model,
+        reward_funcs=tasks.reward,
+        args=_grpo_config(settings, method, seed, device),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[progress_callback(settings.steps)],
+    )
     if method == "logra":
         from logra_optim.integrations.trl import attach_logra
 
@@ -269,8 +287,10 @@ def run_worker(settings: DemoSettings, method: str, seed: int) -> dict:
     after = evaluate(model, tokenizer, settings, device)
     history = trainer.state.log_history
     rewards = [entry["reward"] for entry in history if "reward" in entry]
-    logra_stats = {key: [entry[key] for entry in history if key in entry]
-                   for key in sorted({k for entry in history for k in entry if k.startswith("logra/")})}  # fmt: skip
+    logra_stats = {
+        key: [entry[key] for entry in history if key in entry]
+        for key in sorted({k for entry in history for k in entry if k.startswith("logra/")})
+    }
     return {
         "method": method,
         "seed": seed,
@@ -320,8 +340,10 @@ def prepare_warm_starts(settings: DemoSettings, device: str, console) -> None:
             with Progress(console=console, transient=True) as progress:
                 bar = progress.add_task(f"warm start (supervised), seed {seed}", total=settings.warm_start_steps)
                 reached = warm_start(model, tokenizer, settings, seed, device, lambda: progress.advance(bar))
-            console.print(f"warm start, seed {seed}: {reached['steps']} supervised steps, validation reward "
-                          f"{reached['reward']:.2f} (target {settings.warm_start_reward})")  # fmt: skip
+            console.print(
+                f"warm start, seed {seed}: {reached['steps']} supervised steps, validation reward "
+                f"{reached['reward']:.2f} (target {settings.warm_start_reward})"
+            )
         model.save_pretrained(target)
         tokenizer.save_pretrained(target)
 
@@ -337,8 +359,13 @@ def launch_worker(settings: DemoSettings, method: str, seed: int, console) -> di
     command = [sys.executable, "-m", "logra_optim.cli.demo", str(spec), str(result_path)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     log_lines: list[str] = []
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("reward {task.fields[reward]}"), TimeElapsedColumn())  # fmt: skip
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("reward {task.fields[reward]}"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=console) as progress:
         bar = progress.add_task(f"{LABELS[method]}, seed {seed}", total=settings.steps, reward="-")
         with subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env) as proc:
@@ -364,17 +391,19 @@ def summarize(records: list[dict]) -> list[dict]:
         def stat(values):
             return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
-        rows.append({
-            "method": method,
-            "seeds": [r["seed"] for r in runs],
-            "reward_before": stat([r["before"]["reward"] for r in runs]),
-            "reward_after": stat([r["after"]["reward"] for r in runs]),
-            "accuracy_before": stat([r["before"]["accuracy"] for r in runs]),
-            "accuracy_after": stat([r["after"]["accuracy"] for r in runs]),
-            "peak_bytes": max(r["peak_bytes"] for r in runs),
-            "seconds_per_update": statistics.median(r["seconds_per_update"] for r in runs),
-            "trained_params": runs[0]["trained_params"],
-        })  # fmt: skip
+        rows.append(
+            {
+                "method": method,
+                "seeds": [r["seed"] for r in runs],
+                "reward_before": stat([r["before"]["reward"] for r in runs]),
+                "reward_after": stat([r["after"]["reward"] for r in runs]),
+                "accuracy_before": stat([r["before"]["accuracy"] for r in runs]),
+                "accuracy_after": stat([r["after"]["accuracy"] for r in runs]),
+                "peak_bytes": max(r["peak_bytes"] for r in runs),
+                "seconds_per_update": statistics.median(r["seconds_per_update"] for r in runs),
+                "trained_params": runs[0]["trained_params"],
+            }
+        )
     return rows
 
 
@@ -389,11 +418,20 @@ def table_rows(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
         headers += ["memory / AdamW", "time / AdamW"]
     cells = []
     for r in rows:
-        row = [LABELS[r["method"]], pm(r["reward_before"]), pm(r["reward_after"]), pm(r["accuracy_before"]),
-               pm(r["accuracy_after"]), f"{r['peak_bytes'] / 2**20:.0f}", f"{r['seconds_per_update']:.2f}"]  # fmt: skip
+        row = [
+            LABELS[r["method"]],
+            pm(r["reward_before"]),
+            pm(r["reward_after"]),
+            pm(r["accuracy_before"]),
+            pm(r["accuracy_after"]),
+            f"{r['peak_bytes'] / 2**20:.0f}",
+            f"{r['seconds_per_update']:.2f}",
+        ]
         if adamw:
-            row += [ratio(r["peak_bytes"], adamw["peak_bytes"]),
-                    ratio(r["seconds_per_update"], adamw["seconds_per_update"])]  # fmt: skip
+            row += [
+                ratio(r["peak_bytes"], adamw["peak_bytes"]),
+                ratio(r["seconds_per_update"], adamw["seconds_per_update"]),
+            ]
         cells.append(row)
     return headers, cells
 
@@ -428,8 +466,11 @@ def plot(records: list[dict], rows: list[dict], output: Path) -> list[Path]:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.bar([LABELS[r["method"]] for r in rows], [r["peak_bytes"] / 2**20 for r in rows],
-           color=[colors[r["method"]] for r in rows])  # fmt: skip
+    ax.bar(
+        [LABELS[r["method"]] for r in rows],
+        [r["peak_bytes"] / 2**20 for r in rows],
+        color=[colors[r["method"]] for r in rows],
+    )
     ax.set_ylabel("peak training memory (MiB)")
     ax.set_title("Peak memory of the RL process")
     fig.tight_layout()
@@ -453,25 +494,37 @@ def run(settings: DemoSettings) -> dict:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     started = time.perf_counter()
     source = settings.model or "a tiny Qwen2 built from a config (no download)"
-    console.print(f"[bold]logra demo[/]: task {settings.task} ({settings.digits} digits), policy {source}, "
-                  f"device {device}, seeds {settings.seeds}")  # fmt: skip
+    console.print(
+        f"[bold]logra demo[/]: task {settings.task} ({settings.digits} digits), policy {source}, "
+        f"device {device}, seeds {settings.seeds}"
+    )
     prepare_warm_starts(settings, device, console)
     records = [launch_worker(settings, method, seed, console) for seed in settings.seeds for method in settings.methods]
     rows = summarize(records)
     headers, cells = table_rows(rows)
-    table = Table(title=f"GRPO, {settings.steps} updates from the same warm start; rewards: greedy answers to "
-                        f"{EVAL_PROBLEMS} held-out problems", title_justify="left")  # fmt: skip
+    table = Table(
+        title=f"GRPO, {settings.steps} updates from the same warm start; rewards: greedy answers to "
+        f"{EVAL_PROBLEMS} held-out problems",
+        title_justify="left",
+    )
     for i, header in enumerate(headers):
         table.add_column(header, justify="left" if i == 0 else "right")
     for row in cells:
         table.add_row(*row)
     Console(width=max(Console().width, 120)).print(table)
     images = plot(records, rows, output)
-    summary = {"settings": asdict(settings), "device": device, "rows": rows, "runs": records,
-               "wall_seconds": time.perf_counter() - started}  # fmt: skip
+    summary = {
+        "settings": asdict(settings),
+        "device": device,
+        "rows": rows,
+        "runs": records,
+        "wall_seconds": time.perf_counter() - started,
+    }
     (output / "summary.json").write_text(json.dumps(summary, indent=2))
-    console.print(f"plots: {', '.join(str(p) for p in images)}; summary: {output / 'summary.json'} "
-                  f"({summary['wall_seconds']:.0f} s)")  # fmt: skip
+    console.print(
+        f"plots: {', '.join(str(p) for p in images)}; summary: {output / 'summary.json'} "
+        f"({summary['wall_seconds']:.0f} s)"
+    )
     return summary
 
 

@@ -69,11 +69,15 @@ class Shape:
             hidden = config["hidden_size"]
             heads = config["num_attention_heads"]
             return cls(
-                hidden=hidden, intermediate=config["intermediate_size"], layers=config["num_hidden_layers"],
-                heads=heads, kv_heads=config.get("num_key_value_heads") or heads,
-                head_dim=config.get("head_dim") or hidden // heads, vocab=config["vocab_size"],
+                hidden=hidden,
+                intermediate=config["intermediate_size"],
+                layers=config["num_hidden_layers"],
+                heads=heads,
+                kv_heads=config.get("num_key_value_heads") or heads,
+                head_dim=config.get("head_dim") or hidden // heads,
+                vocab=config["vocab_size"],
                 tied=bool(config.get("tie_word_embeddings", False)),
-            )  # fmt: skip
+            )
         except KeyError as missing:
             raise ValueError(
                 f"config has no {missing.args[0]!r}: logra plan models Llama/Qwen/Mistral-style "
@@ -221,25 +225,39 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
     smallest = min(min(d, k) for d, k in shape.targets())
     if args.rank > smallest:
         parser.error(f"--rank {args.rank} exceeds the smallest target dimension ({smallest}) of this model")
-    setting = Setting(rank=args.rank, dtype=args.dtype, batch=args.batch, seq=args.seq, gpus=args.gpus,
-                      sharded=not args.replicated, checkpointing=not args.no_checkpointing)  # fmt: skip
+    setting = Setting(
+        rank=args.rank,
+        dtype=args.dtype,
+        batch=args.batch,
+        seq=args.seq,
+        gpus=args.gpus,
+        sharded=not args.replicated,
+        checkpointing=not args.no_checkpointing,
+    )
     predictions = {method: breakdown(shape, method, setting) for method in METHODS}
     if args.gpu_memory <= 0:
         parser.error(f"--gpu-memory must be positive (GiB), got {args.gpu_memory}")
     measured = _measured_peaks(args.measured, args.rank) if args.measured else {}
     if measured:
         meta = json.loads(Path(args.measured).read_text())["meta"]
-        differ = {name: (meta.get(name), value) for name, value in
-                  (("batch", setting.batch), ("seq", setting.seq), ("layers", shape.layers)) if meta.get(name) != value}
+        differ = {
+            name: (meta.get(name), value)
+            for name, value in (("batch", setting.batch), ("seq", setting.seq), ("layers", shape.layers))
+            if meta.get(name) != value
+        }
         if differ or setting.dtype != "fp32" or setting.checkpointing:
-            parser.error(f"--measured was run with other settings (bench, plan): {differ}; `logra bench` runs "
-                         "fp32 without checkpointing, so plan it with --dtype fp32 --no-checkpointing")  # fmt: skip
+            parser.error(
+                f"--measured was run with other settings (bench, plan): {differ}; `logra bench` runs "
+                "fp32 without checkpointing, so plan it with --dtype fp32 --no-checkpointing"
+            )
 
     layout = "sharded" if setting.sharded else "replicated"
     checkpointing = "on" if setting.checkpointing else "off"
-    title = (f"{shape.params / 1e9:.2f} B parameters ({shape.target_params / 1e9:.2f} B in targets); {setting.dtype}; "
-             f"{setting.batch}×{setting.seq} tokens per GPU; {setting.gpus} GPU(s), {layout}; "
-             f"checkpointing {checkpointing}; rank {setting.rank}")  # fmt: skip
+    title = (
+        f"{shape.params / 1e9:.2f} B parameters ({shape.target_params / 1e9:.2f} B in targets); {setting.dtype}; "
+        f"{setting.batch}×{setting.seq} tokens per GPU; {setting.gpus} GPU(s), {layout}; "
+        f"checkpointing {checkpointing}; rank {setting.rank}"
+    )
     components = list(dict.fromkeys(c for parts in predictions.values() for c in parts))
     phase = {**dict.fromkeys(BACKWARD_PHASE, " (backward)"), **dict.fromkeys(STEP_PHASE, " (step)")}
     components.sort(key=lambda c: (c in BACKWARD_PHASE, c in STEP_PHASE))
@@ -248,16 +266,18 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
     for method in METHODS:
         table.add_column(method, justify="right")
     for component in components:
-        table.add_row(component + phase.get(component, ""),
-                      *(f"{predictions[m].get(component, 0) / GIB:.2f}" for m in METHODS))  # fmt: skip
+        table.add_row(
+            component + phase.get(component, ""), *(f"{predictions[m].get(component, 0) / GIB:.2f}" for m in METHODS)
+        )
     totals = {m: peak(parts) for m, parts in predictions.items()}
     table.add_row("[bold]peak[/] = rest + max(backward, step)", *(f"[bold]{totals[m] / GIB:.2f}[/]" for m in METHODS))
     fits = ("yes" if totals[m] / GIB <= args.gpu_memory else "no" for m in METHODS)
     table.add_row(f"fits {args.gpu_memory:g} GiB", *fits)
     if measured:
         table.add_row("measured peak", *(f"{measured[m] / GIB:.2f}" if m in measured else "-" for m in METHODS))
-        table.add_row("predicted / measured",
-                      *(ratio(totals[m], measured[m]) if m in measured else "-" for m in METHODS))  # fmt: skip
+        table.add_row(
+            "predicted / measured", *(ratio(totals[m], measured[m]) if m in measured else "-" for m in METHODS)
+        )
     Console(width=max(Console().width, 110)).print(table)
     return {"shape": shape, "setting": setting, "predictions": predictions, "totals": totals, "measured": measured}
 

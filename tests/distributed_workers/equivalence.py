@@ -120,8 +120,10 @@ class Run:
         if self.mode == "ddp":
             if dist.get_rank() == 0:
                 os.makedirs(directory, exist_ok=True)
-                torch.save({"model": self.model.state_dict(), "optim": self.opt.state_dict()},
-                           os.path.join(directory, "checkpoint.pt"))  # fmt: skip
+                torch.save(
+                    {"model": self.model.state_dict(), "optim": self.opt.state_dict()},
+                    os.path.join(directory, "checkpoint.pt"),
+                )
             dist.barrier()
         elif self.mode == "fsdp2":
             import torch.distributed.checkpoint as dcp
@@ -157,6 +159,7 @@ def main() -> None:
     else:
         dist.init_process_group("gloo")
     rank = dist.get_rank()
+
     def trained(run: Run, with_state: bool = False) -> dict:
         """``STEPS`` training steps; the final weights and every step's α (and optimizer state)."""
         alphas = []

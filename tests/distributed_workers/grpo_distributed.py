@@ -58,10 +58,14 @@ def train(engine: str, output_dir: str, resume: str | None = None, **overrides):
     if engine == "ddp":
         overrides.update(use_cpu=True)
     else:
-        overrides.update(use_cpu=False, deepspeed=deepspeed_config(int(engine[-1])),
-                         accelerator_config={"use_configured_state": True})  # fmt: skip
-    trainer = setup.build_trainer("grpo", model, output_dir, per_device_train_batch_size=4, max_steps=STEPS,
-                                  **overrides)  # fmt: skip
+        overrides.update(
+            use_cpu=False,
+            deepspeed=deepspeed_config(int(engine[-1])),
+            accelerator_config={"use_configured_state": True},
+        )
+    trainer = setup.build_trainer(
+        "grpo", model, output_dir, per_device_train_batch_size=4, max_steps=STEPS, **overrides
+    )
     kwargs = dict(setup.LOGRA_KWARGS, non_target_optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3))
     if engine == "zero3":
         # ZeRO-3's module hooks have no forward-mode AD rule; ε near the expected α keeps the
@@ -98,8 +102,9 @@ def main() -> None:
     # Checkpoint every 2 steps; a fresh trainer resumes from checkpoint-2 and takes step 3.
     checkpointed = os.path.join(out, "checkpointed")
     train(engine, checkpointed, save_strategy="steps", save_steps=2)
-    _, resumed, _, resumed_final, _ = train(engine, os.path.join(out, "resumed"),
-                                            resume=os.path.join(checkpointed, "checkpoint-2"))  # fmt: skip
+    _, resumed, _, resumed_final, _ = train(
+        engine, os.path.join(out, "resumed"), resume=os.path.join(checkpointed, "checkpoint-2")
+    )
     seen["resumed_weights"] = resumed_final
     seen["resumed_update_index"] = resumed.optimizer.update_index
     everyone = [None] * dist.get_world_size()

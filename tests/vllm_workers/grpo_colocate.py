@@ -18,9 +18,17 @@ from vllm_helpers import engine_logprobs, max_difference, trainer_logprobs  # no
 output, result_path = sys.argv[1], sys.argv[2]
 path = trl_setup.save_policy(os.path.join(output, "policy"))
 trainer = trl_setup.build_trainer(
-    "grpo", path, os.path.join(output, "out"), use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.1,
-    vllm_max_model_length=64, max_steps=40, per_device_train_batch_size=32, lr_scheduler_type="constant",
-)  # fmt: skip
+    "grpo",
+    path,
+    os.path.join(output, "out"),
+    use_vllm=True,
+    vllm_mode="colocate",
+    vllm_gpu_memory_utilization=0.1,
+    vllm_max_model_length=64,
+    max_steps=40,
+    per_device_train_batch_size=32,
+    lr_scheduler_type="constant",
+)
 callback = attach_logra(trainer, **trl_setup.LOGRA_KWARGS)
 trainer.train()
 history = callback.vllm_sync["sync"].history
@@ -30,21 +38,27 @@ model = trainer.model
 model.eval()
 logs = trainer.state.log_history
 rewards = [entry["reward"] for entry in logs if "reward" in entry]
-differences = [entry["sampling/sampling_logp_difference/mean"] for entry in logs
-               if "sampling/sampling_logp_difference/mean" in entry]  # fmt: skip
+differences = [
+    entry["sampling/sampling_logp_difference/mean"]
+    for entry in logs
+    if "sampling/sampling_logp_difference/mean" in entry
+]
 with torch.no_grad():
     difference = max_difference(engine_logprobs(trainer.vllm_generation.llm), trainer_logprobs(model))
 status = sync.engine.call("logra_status")[0]
-json.dump({
-    "engine_dtype": status["dtype"],
-    "engine_index": status["index"],
-    "trainer_index": sync.optimizer.update_index,
-    **sync.drift(),
-    "kinds": [h["kind"] for h in history],
-    "full_bytes": history[0]["bytes"],
-    "compressed_bytes": max(h["bytes"] for h in history[1:]),
-    "engine_vs_trainer": difference,
-    "sampling_logp_difference": max(differences),
-    "first_reward": sum(rewards[:5]) / 5,
-    "last_reward": sum(rewards[-5:]) / 5,
-}, open(result_path, "w"))  # fmt: skip
+json.dump(
+    {
+        "engine_dtype": status["dtype"],
+        "engine_index": status["index"],
+        "trainer_index": sync.optimizer.update_index,
+        **sync.drift(),
+        "kinds": [h["kind"] for h in history],
+        "full_bytes": history[0]["bytes"],
+        "compressed_bytes": max(h["bytes"] for h in history[1:]),
+        "engine_vs_trainer": difference,
+        "sampling_logp_difference": max(differences),
+        "first_reward": sum(rewards[:5]) / 5,
+        "last_reward": sum(rewards[-5:]) / 5,
+    },
+    open(result_path, "w"),
+)

@@ -30,12 +30,15 @@ if __name__ == "__main__":  # the engine process is spawned: keep module-level w
         train_step(model, optimizer, generator)
         stats = sync.sync()
         kinds.append(stats["kind"])
-    json.dump({
-        "multiprocess": type(llm.llm_engine.engine_core).__name__,
-        "kinds": kinds,
-        "drift": stats["drift"],
-        "engine_vs_trainer": max_difference(engine_logprobs(llm), trainer_logprobs(model)),
-    }, open(result_path, "w"))  # fmt: skip
+    json.dump(
+        {
+            "multiprocess": type(llm.llm_engine.engine_core).__name__,
+            "kinds": kinds,
+            "drift": stats["drift"],
+            "engine_vs_trainer": max_difference(engine_logprobs(llm), trainer_logprobs(model)),
+        },
+        open(result_path, "w"),
+    )
     # An explicit shutdown with time to finish: at interpreter exit vLLM gives the engine process 5 s,
     # then kills it, and the abandoned client thread aborts this process (seen in about 1 run of 3).
     llm.llm_engine.engine_core.shutdown(timeout=60)
