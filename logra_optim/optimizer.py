@@ -39,6 +39,7 @@ from .probe import (
 from .projection import PROJECTIONS, make_projection, projection_seed
 from .sketch import SketchBank
 from .sync import TargetUpdate, Update
+from .target import Target
 from .updates import low_rank_sq_norm, merge_low_rank_, relative_step_size, rowadam_direction
 
 OPTIMIZERS = ("rowadam", "sgd")
@@ -200,6 +201,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self._targets: list[TargetState] = [m._logra for _, m in targets]
         self._modules: list[nn.Linear] = [m for _, m in targets]
         self._layouts = layouts
+        self._target_views = tuple(
+            Target(m._logra.canonical_name, m, layout) for (_, m), layout in zip(targets, layouts)
+        )
         self._index_of = {id(m.weight): i for i, m in enumerate(self._modules)}
         self._group = dp.data_parallel_group(process_group)
         self._fsdp2 = dp.fsdp2_modules(model)
@@ -260,6 +264,20 @@ class LoGRAOptimizer(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------------------------------------
     # Projections, sketches, probe inputs
+
+    @property
+    def model(self) -> nn.Module:
+        """The patched model this optimizer drives."""
+        return self._model
+
+    @property
+    def targets(self) -> tuple[Target, ...]:
+        """Read-only views of the targets, in module order: name, module, weight, layout."""
+        return self._target_views
+
+    def projection_seed(self, index: int) -> int:
+        """Seed of target ``index``'s current projection ``A`` (what a rollout engine regenerates it from)."""
+        return projection_seed(self.seed, self.projection_index, self._targets[index].canonical_name)
 
     @property
     def projection_index(self) -> int:

@@ -264,6 +264,14 @@ def patched_modules(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(getattr(m, "_logra", None), TargetState)]
 
 
+def target_state(module: nn.Module) -> TargetState:
+    """The LoGRA record of a patched linear; raises for a module :func:`patch_model` did not patch."""
+    state = getattr(module, "_logra", None)
+    if not isinstance(state, TargetState):
+        raise ValueError(f"{type(module).__name__} module is not a patched LoGRA target (call patch_model first)")
+    return state
+
+
 def unpatch_model(model: nn.Module) -> nn.Module:
     """Undo :func:`patch_model`: original forwards, ``requires_grad`` flags and no LoGRA state."""
     for _, module in patched_modules(model):
