@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .updates import MERGE_CHUNK_BYTES, stochastic_round_to_bf16
+from .updates import MERGE_CHUNK_BYTES, merge_low_rank_, stochastic_round_to_bf16
 
 REPLICATED, ROWS, FLAT = "replicated", "rows", "flat"
 
@@ -226,6 +226,77 @@ def merge_flat_partition_(
     return flat
 
 
+class LocalWeight:
+    """A target weight as this rank stores it: what a merge writes into, and how to undo a merge.
+
+    Every rank computes the same update ``F A``; only where it lands differs. This type hides the
+    difference: the whole matrix (replicated), the local rows (FSDP2) or a flat partition
+    (ZeRO-3), which DeepSpeed may also hold gathered whole (persistent small parameters, or ones
+    its prefetcher keeps between forwards). A merge then updates the gathered copy too, so that the
+    next forward uses it without gathering again.
+    """
+
+    def __init__(self, weight: torch.Tensor, layout: WeightLayout):
+        self.weight, self.layout = weight, layout
+        self._merged: torch.Tensor | None = None  # ZeRO-3: the latest merged factor (see restore)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether other ranks store other parts of the weight (its ‖W‖² is a sum over ranks)."""
+        return self.layout.holders > 0
+
+    def local(self) -> torch.Tensor:
+        return local_data(self.weight, self.layout)
+
+    def gathered(self) -> torch.Tensor | None:
+        """A ZeRO-3 weight's whole ``d×k`` matrix while DeepSpeed holds it gathered, else ``None``."""
+        d, k = self.layout.shape
+        if self.layout.kind == FLAT and self.weight.data.numel() == d * k:
+            return self.weight.data.view(d, k)
+        return None
+
+    def sq_norm(self) -> torch.Tensor:
+        """``Σ w²`` of the stored elements, float64, divided among the ranks holding the same ones."""
+        local = local_sq_norm(self.weight, self.layout)
+        return local / self.layout.holders if self.sharded else local
+
+    def merge_(self, factor: torch.Tensor, projection: torch.Tensor, **rounding) -> None:
+        """``W ← W − F A`` on the stored part (``rounding``: :func:`~.updates.merge_low_rank_` options)."""
+        layout, local, gathered = self.layout, self.local(), self.gathered()
+        if layout.kind == FLAT:
+            self._merged = factor
+        if gathered is not None:  # the partition is a slice of the gathered matrix
+            merge_low_rank_(gathered, factor, projection, **rounding)
+            local.copy_(gathered.view(-1)[layout.start : layout.stop])
+        elif layout.kind == FLAT:
+            merge_flat_partition_(local, layout.start, factor, projection, **rounding)
+        elif layout.kind == ROWS:
+            merge_low_rank_(local, factor[layout.start : layout.stop], projection, **rounding)
+        else:
+            merge_low_rank_(local, factor, projection, **rounding)
+
+    def backup(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Host copies of the stored part (and of a gathered copy), for :meth:`restore`."""
+        gathered = self.gathered()
+        return self.local().to("cpu", copy=True), None if gathered is None else gathered.to("cpu", copy=True)
+
+    def restore(self, backup: tuple[torch.Tensor, torch.Tensor | None], projection: torch.Tensor) -> None:
+        """Undo every merge since ``backup`` exactly."""
+        local_backup, gathered_backup = backup
+        self.local().copy_(local_backup)
+        gathered = self.gathered()
+        if gathered is None:
+            return
+        if gathered_backup is not None:
+            gathered.copy_(gathered_backup)
+        else:  # gathered by DeepSpeed since the backup, from the merged partitions: undo the merge
+            merge_low_rank_(gathered, -self._merged, projection, stochastic_rounding=False)
+            gathered.view(-1)[self.layout.start : self.layout.stop] = local_backup  # this rank's part exactly
+
+    def forget_merge(self) -> None:
+        self._merged = None
+
+
 # --------------------------------------------------------------------------------------------------
 # Collectives
 
@@ -258,6 +329,50 @@ def collective_device(group) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+class DataParallel:
+    """The data-parallel ranks that one optimizer keeps in step.
+
+    Every collective an update needs goes through here: averaging the sketches, the scalars of a
+    step gathered at once (a non-finite flag, the sharded part of ``Σ‖W‖²``, the projection
+    fingerprint), and the sums of the probe's KL terms.
+    """
+
+    def __init__(self, group):
+        self.group = group
+        self.device = collective_device(group)
+
+    def sum(self, *values: float | torch.Tensor) -> list[float]:
+        return sum_(values, self.group, self.device)
+
+    def synchronise(
+        self, buffers: Sequence[torch.Tensor], fingerprint_of: ProjectionFingerprint, sharded_sq: float, finite: bool
+    ) -> tuple[bool, float]:
+        """Average ``buffers`` over the ranks, then one all-gather of ``[fingerprint, non-finite flag,
+        sharded ‖W‖²]``: returns (finite on every rank, ``Σ‖W‖²`` of the sharded weights)."""
+        average_(buffers, self.group)
+        gathered = gather_([fingerprint_of.value(), 0.0 if finite else 1.0, sharded_sq], self.group, self.device)
+        self.check(fingerprint_of, gathered[:, 0])
+        return bool(gathered[:, 1].sum() == 0), float(gathered[:, 2].sum())
+
+    def check(self, fingerprint_of: ProjectionFingerprint, gathered: torch.Tensor | None = None) -> None:
+        """Fail loudly on every rank if the ranks' projections differ (seeds, update index, targets)."""
+        if gathered is None:
+            gathered = gather_([fingerprint_of.value()], self.group, self.device)[:, 0]
+        check_fingerprints(gathered, self.group, fingerprint_of.names, fingerprint_of.header, fingerprint_of.checksums)
+
+
+@dataclass(frozen=True)
+class ProjectionFingerprint:
+    """What determines every target's projection: the settings and a checksum of each ``A``."""
+
+    header: tuple
+    names: tuple[str, ...]
+    checksums: tuple[float, ...]
+
+    def value(self) -> int:
+        return fingerprint(self.header, self.checksums)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,0 +1,177 @@
+"""The options of :class:`~logra_optim.LoGRAOptimizer`, validated once, here.
+
+Two small dataclasses: :class:`StepOptions` (how a sketch becomes a merged update) and
+:class:`KLOptions` (how big that update may be: predicted-KL control). Each checks its own
+values when built and raises a ``ValueError`` that names the option and what would be valid, so
+that a misspelt or out-of-range setting fails at construction, never in the middle of training.
+Checks that need the model (ranks against target shapes, probes against sharding) live in
+:func:`check_targets`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import distributed as dp
+from .probe import LogitsFn
+from .projection import PROJECTIONS
+from .target import Target
+
+DIRECTIONS = ("rowadam", "sgd")
+PROBES = ("jvp", "finite_difference")
+DEFAULT_UPDATE_RATIO = 6e-5
+
+
+def positive(name: str, value: Any) -> float:
+    """``value`` as a float, or a ``ValueError`` naming ``name`` unless it is a positive finite number."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+def _non_negative_int(name: str, value: Any, minimum: int = 0) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        kind = "positive" if minimum == 1 else "non-negative"
+        raise ValueError(f"{name} must be a {kind} integer, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How accumulated sketches become the merged update ``W ← W − α η U A``.
+
+    ``lr_mode`` is ``"update_ratio"`` (``lr`` is the relative update norm ``ρ_upd``, and ``η`` is
+    chosen so that ``‖η U A‖ = ρ_upd ‖W‖`` over all targets) or ``"lr"`` (``η = lr``).
+    """
+
+    rank: int
+    direction: str = "rowadam"
+    lr: float = DEFAULT_UPDATE_RATIO
+    lr_mode: str = "update_ratio"
+    seed: int = 0
+    projection: str = "rademacher"
+    refresh: bool = True
+    beta2: float = 0.95
+    eps: float = 1e-8
+    wire_dtype: torch.dtype | None = torch.bfloat16
+    stochastic_rounding: bool = True
+
+    def __post_init__(self) -> None:
+        _non_negative_int("rank", self.rank, minimum=1)
+        if self.direction not in DIRECTIONS:
+            raise ValueError(f"direction must be one of {DIRECTIONS}, got {self.direction!r}")
+        if self.projection not in PROJECTIONS:
+            raise ValueError(f"projection must be one of {PROJECTIONS}, got {self.projection!r}")
+        positive(self.lr_mode, self.lr)
+        if not 0.0 <= self.beta2 < 1.0:
+            raise ValueError(f"beta2 must be in [0, 1), got {self.beta2!r}")
+        positive("eps", self.eps)
+        if self.wire_dtype is not None and not (
+            isinstance(self.wire_dtype, torch.dtype) and self.wire_dtype.is_floating_point
+        ):
+            raise ValueError(f"wire_dtype must be a floating torch.dtype or None, got {self.wire_dtype!r}")
+
+    @staticmethod
+    def step_size(update_ratio: float | None, lr: float | None) -> tuple[float, str]:
+        """``(value, mode)`` from the two mutually exclusive ways of giving the step size."""
+        if update_ratio is not None and lr is not None:
+            raise ValueError("give either update_ratio (relative update norm) or lr (plain learning rate), not both")
+        if lr is not None:
+            return positive("lr", lr), "lr"
+        return positive("update_ratio", DEFAULT_UPDATE_RATIO if update_ratio is None else update_ratio), "update_ratio"
+
+
+@dataclass(frozen=True)
+class KLOptions:
+    """Predicted-KL control: the budget ``δ`` per update and how the KL of a step is predicted and checked.
+
+    ``budget=None`` turns control off (α = 1); every other option is still validated, so that
+    turning it on later cannot surface a bad value.
+    """
+
+    budget: float | Callable[[int], float] | None = None
+    alpha_max: float = 3.0
+    probe: str = "jvp"
+    probe_samples: int = 2
+    temperature: float = 1.0
+    probe_logits_fn: LogitsFn | None = None
+    fd_epsilon: float = 1.0
+    realised_kl_check: bool = False
+    realised_kl_tolerance: float = 0.1
+    realised_kl_retries: int = 3
+    mismatch_ema: float = 0.3
+
+    def __post_init__(self) -> None:
+        if self.budget is not None and not callable(self.budget):
+            object.__setattr__(self, "budget", positive("kl_budget", self.budget))
+        if self.probe not in PROBES:
+            raise ValueError(f"probe must be one of {PROBES}, got {self.probe!r}")
+        _non_negative_int("probe_samples", self.probe_samples, minimum=1)
+        positive("temperature", self.temperature)
+        positive("fd_epsilon", self.fd_epsilon)
+        positive("realised_kl_tolerance", self.realised_kl_tolerance)
+        _non_negative_int("realised_kl_retries", self.realised_kl_retries)
+        if not 0.0 < self.mismatch_ema <= 1.0:
+            raise ValueError(f"mismatch_ema must be in (0, 1], got {self.mismatch_ema!r}")
+        if self.realised_kl_check and self.budget is None:
+            raise ValueError("realised_kl_check needs a kl_budget to check against")
+        object.__setattr__(self, "alpha_max", positive("alpha_max", self.alpha_max))
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget is not None
+
+
+def check_non_target_optimizer(non_target_optimizer: Any, kl: KLOptions) -> None:
+    if isinstance(non_target_optimizer, str) and non_target_optimizer != "external":
+        raise ValueError(f"non_target_optimizer must be a callable, 'external' or None, got {non_target_optimizer!r}")
+    if kl.realised_kl_check and callable(non_target_optimizer):
+        raise ValueError(
+            "realised_kl_check cannot be combined with non_target_optimizer: the measured KL would include "
+            "the non-target update, which the retry can neither undo nor rescale"
+        )
+
+
+def check_targets(targets: Sequence[Target], step: StepOptions, kl: KLOptions) -> None:
+    """Checks that need the model: each target can carry the rank, is free, frozen and mergeable,
+    and the KL probe can run where the weights live."""
+    if kl.enabled and kl.probe == "jvp" and any(t.layout.kind == dp.FLAT for t in targets):
+        raise ValueError(
+            "the JVP probe cannot run under DeepSpeed ZeRO-3: its module hooks wrap every output in an autograd "
+            "Function without a forward-mode rule. Use probe='finite_difference' (with fd_epsilon large enough "
+            "to be resolved, e.g. 1.0)"
+        )
+    for target in targets:
+        d, k = target.shape
+        if step.rank > min(d, k):
+            raise ValueError(
+                f"rank={step.rank} is larger than target {target.name!r} allows ({d}×{k}: rank must be ≤ {min(d, k)})"
+            )
+        if target.state.owner is not None and target.state.owner() is not None:
+            raise RuntimeError(
+                f"target {target.name!r} is already driven by another LoGRAOptimizer; one optimizer per patched "
+                "model (delete the old one, or unpatch_model + patch_model for a fresh start)"
+            )
+        if target.weight.requires_grad:
+            raise ValueError(f"target {target.name!r} has requires_grad=True; LoGRA targets must stay frozen")
+        if target.weight.dtype == torch.float16:
+            warnings.warn(
+                f"target {target.name!r} is stored in float16: updates below half an ulp are lost. "
+                "Keep fp32 master weights (or bf16, which is stochastically rounded).",
+                stacklevel=3,
+            )
+    low_precision = any(t.weight.dtype in (torch.bfloat16, torch.float16) for t in targets)
+    if kl.enabled and low_precision and (kl.probe == "finite_difference" or kl.realised_kl_check):
+        warnings.warn(
+            "16-bit target weights: the finite-difference probe and the realised-KL check compare logits "
+            "whose rounding error is of the size of a small step's change; prefer probe='jvp' and fp32 "
+            "master weights",
+            stacklevel=3,
+        )
