@@ -324,7 +324,7 @@ def _feed_mismatch_from_batches(trainer: Trainer, callback: LoGRACallback) -> No
 
 
 def _mismatch_mask(trainer: Trainer, inputs: dict) -> torch.Tensor:
-    """Generated tokens of completed responses (METHOD.md §3): the completion mask, without tool
+    """Generated tokens of completed responses (docs/method.md §3): the completion mask, without tool
     output tokens, restricted to completions that ended with an EOS token (truncated ones are
     not samples of the full policy's stopping behaviour)."""
     mask = inputs["completion_mask"].detach().bool()

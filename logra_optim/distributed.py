@@ -1,4 +1,4 @@
-"""Data parallelism for LoGRA (METHOD.md §5): reductions, sharded weight layouts, consistency guard.
+"""Data parallelism for LoGRA (docs/method.md §5): reductions, sharded weight layouts, consistency guard.
 
 Every data-parallel rank accumulates sketches of its own microbatches. ``step()`` averages them with
 one all-reduce of the flat sketch buffer (per device), so every rank computes the same direction

@@ -1,4 +1,4 @@
-"""Predicted-KL step control (METHOD.md §3): the estimator, the step scale, budgets and mismatch.
+"""Predicted-KL step control (docs/method.md §3): the estimator, the step scale, budgets and mismatch.
 
 For a proposed update ``D`` and scale ``α``, ``KL(π_θ ‖ π_{θ+αD}) ≈ α² q(D)`` with
 

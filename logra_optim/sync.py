@@ -1,6 +1,6 @@
 """The sync payload: what a rollout engine needs to follow LoGRA's updates without full weights.
 
-METHOD.md §4. A LoGRA update of a target is ``W ← W − F A`` with ``F = α η U`` (d×r) and ``A``
+docs/method.md §4. A LoGRA update of a target is ``W ← W − F A`` with ``F = α η U`` (d×r) and ``A``
 (r×k) regenerated from a seed. A rollout engine holding its own copy of ``W`` needs only ``F`` and
 the seed: ``d·r`` numbers instead of ``d·k``, i.e. ``r/k`` of a full sync. The trainer merges the
 very factor it sends (``LoGRAOptimizer(wire_dtype=torch.bfloat16)`` rounds ``F`` before merging), so

@@ -1,4 +1,4 @@
-"""The update math of METHOD.md §2 as pure functions: directions, step size, merge.
+"""The update math of docs/method.md §2 as pure functions: directions, step size, merge.
 
 Notation: a target ``W ∈ R^{d×k}``, its projection ``A ∈ R^{r×k}`` and sketch ``S ∈ R^{d×r}``;
 the optimizer turns ``S`` into a direction ``U`` (d×r) and merges ``W ← W − α η U A``.
