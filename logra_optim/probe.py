@@ -175,25 +175,49 @@ def _probe_targets(targets: Sequence, factors: Sequence[torch.Tensor], mode: str
 
 @contextlib.contextmanager
 def _inference_environment(model: nn.Module) -> Iterator[None]:
-    """Eval mode (no dropout, no gradient checkpointing), no autograd graph, and attention kernels
+    """Eval mode (no dropout, no gradient checkpointing), no autograd graph, attention kernels
     with forward-AD formulas (the math SDPA backend; fused kernels such as CPU flash SDPA have
-    none). The model's train/eval flags and attention setting are restored afterwards."""
+    none), and the weights' own precision. The model's train/eval flags, attention setting and
+    forward are restored afterwards.
+
+    Precision: a realistic step changes the logits by about ``update_ratio · ‖y‖`` (6e-5), below
+    half a bf16 ulp. Under mixed precision the master weights are fp32 but the forward runs in a
+    bf16/fp16 autocast region, where such a change is lost in rounding: the finite-difference
+    probe and the realised-KL check would measure rounding noise. So the probe leaves autocast
+    (any outer region) and bypasses accelerate's autocast wrapper of ``model.forward`` (installed on
+    the model object itself when ``mixed_precision`` is bf16/fp16; it keeps the original forward as
+    ``_original_forward``)."""
     training = {module: module.training for module in model.modules()}
     config = getattr(model, "config", None)
     attention = getattr(config, "_attn_implementation", None)
     # Only a kernel without forward-AD support is switched (flash, flex, …), and only then restored.
     switch_attention = attention not in (None, "eager", "sdpa")
+    wrapped_forward = model.__dict__.get("forward") if "_original_forward" in model.__dict__ else None
     try:
         model.eval()
         if switch_attention:
             config._attn_implementation = "sdpa"
-        with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
+        if wrapped_forward is not None:
+            model.forward = model.__dict__["_original_forward"]
+        with contextlib.ExitStack() as stack:
+            for device_type in _autocast_device_types(model):
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+            stack.enter_context(torch.no_grad())
+            stack.enter_context(sdpa_kernel(SDPBackend.MATH))
             yield
     finally:
         for module, flag in training.items():
             module.training = flag
         if switch_attention:
             config._attn_implementation = attention
+        if wrapped_forward is not None:
+            model.forward = wrapped_forward
+
+
+def _autocast_device_types(model: nn.Module) -> list[str]:
+    """The device types of the model's parameters (and CPU) that an autocast region may cover."""
+    types_ = {"cpu"} | {p.device.type for p in model.parameters()}
+    return sorted(t for t in types_ if t in ("cpu", "cuda", "xpu", "mps", "hpu"))
 
 
 def _probe_logits(model, contexts, logits_fn) -> torch.Tensor:

@@ -1,0 +1,79 @@
+"""Mixed precision as GPU users run it: the KL probes under accelerate's bf16 autocast wrapper.
+
+accelerate's ``prepare_model`` (``mixed_precision="bf16"``, TRL's default ``bf16=True``) replaces
+``model.forward`` on the model object itself with an autocast wrapper. A realistic step
+(``update_ratio`` 6e-5) changes the logits by less than half a bf16 ulp, so a probe that ran
+through that wrapper would measure rounding noise. These tests use the real accelerate wrapper.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from logra_optim import LoGRAOptimizer, patch_model
+from logra_optim.updates import low_rank_sq_norm, relative_step_size
+from tests.helpers.tiny import fixed_batch, tiny_qwen2
+
+accelerate = pytest.importorskip("accelerate")
+
+
+@pytest.fixture
+def bf16_accelerator():
+    from accelerate.state import AcceleratorState
+
+    yield accelerate.Accelerator(mixed_precision="bf16", cpu=True)
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _unit_step_factors(opt: LoGRAOptimizer, update_ratio: float) -> list[torch.Tensor]:
+    """``F = η S`` with η giving ‖ΔW‖/‖W‖ = update_ratio over all targets (SGD directions)."""
+    states = [t.state for t in opt.targets]
+    weight_sq = sum(float(t.weight.double().square().sum()) for t in opt.targets)
+    update_sq = sum(float(low_rank_sq_norm(s.sketch, s.projection)) for s in states)
+    eta = relative_step_size(update_ratio, weight_sq, update_sq)
+    return [s.sketch * eta for s in states]
+
+
+@pytest.mark.parametrize("probe", ["jvp", "finite_difference"])
+def test_probe_ignores_accelerate_bf16_autocast_wrapper(bf16_accelerator, probe):
+    model = patch_model(tiny_qwen2(seed=3))
+    opt = LoGRAOptimizer(model, rank=4, kl_budget=1e-4, probe=probe, wire_dtype=None)
+    model.train()
+    model(**fixed_batch()).loss.backward()
+    factors = _unit_step_factors(opt, 6e-5)
+    states = [t.state for t in opt.targets]
+
+    reference = opt.kl_control.choose(states, factors, 1).stats["predicted_kl"]
+    prepared = bf16_accelerator.prepare_model(model)
+    assert prepared is model and "_original_forward" in model.__dict__  # the wrapper sits on the model itself
+    with torch.no_grad():  # the wrapper really computes in bf16
+        logits = model(input_ids=fixed_batch()["input_ids"]).logits
+        assert logits.dtype == torch.float32
+    wrapped = opt.kl_control.choose(states, factors, 1).stats["predicted_kl"]
+
+    assert reference > 0
+    assert wrapped == pytest.approx(reference, rel=1e-6)
+    assert "_original_forward" in model.__dict__  # the wrapper is back in place after the probe
+
+
+def test_realised_kl_check_stays_on_budget_under_bf16_wrapper(bf16_accelerator):
+    model = patch_model(tiny_qwen2(seed=4))
+    budget = 1e-7
+    opt = LoGRAOptimizer(
+        model,
+        rank=4,
+        kl_budget=budget,
+        update_ratio=6e-5,
+        alpha_max=100.0,
+        realised_kl_check=True,
+        probe="finite_difference",
+    )
+    bf16_accelerator.prepare_model(model)
+    for _ in range(3):
+        model.train()
+        model(**fixed_batch()).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert "skipped" not in opt.stats
+        assert opt.stats["realised_kl"] == pytest.approx(budget, rel=0.25)
