@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import SchedulerType
 
 from logra_optim import LoGRAOptimizer, patch_model, patched_modules
 
@@ -103,8 +104,10 @@ class LoGRACallback(TrainerCallback):
         optimizer = self.optimizer
         if optimizer is None:
             return
-        for key, name in _LOGGED_STATS.items():
-            value = optimizer.stats.get(key)
+        group = optimizer.param_groups[0]  # the scheduled step size this update used
+        values = {f"logra/{group['lr_mode']}": group["lr"]}
+        values.update((name, optimizer.stats.get(key)) for key, name in _LOGGED_STATS.items())
+        for name, value in values.items():
             if isinstance(value, (int, float)) and math.isfinite(value):
                 self.pending.setdefault(name, []).append(float(value))
 
@@ -115,7 +118,12 @@ class LoGRACallback(TrainerCallback):
 
 
 def attach_logra(
-    trainer: Trainer, *, target_modules=None, vllm_sync: str | dict = "compressed", **optimizer_kwargs: Any
+    trainer: Trainer,
+    *,
+    target_modules=None,
+    vllm_sync: str | dict = "compressed",
+    keep_lr_schedule: bool = False,
+    **optimizer_kwargs: Any,
 ) -> LoGRACallback:
     """Make ``trainer`` train with :class:`LoGRAOptimizer`; call before ``trainer.train()``.
 
@@ -123,9 +131,12 @@ def attach_logra(
     ``update_ratio`` …). The KL probe's temperature defaults to the trainer's sampling temperature.
     The model is patched here if it is not already (``target_modules`` as in :func:`patch_model`),
     which covers trainers that built the model from a model id. The trainer's learning-rate
-    schedule scales ``update_ratio`` (or ``lr``); ``max_grad_norm`` is disabled (no dense gradient
-    exists to clip; the step size is set by ``kl_budget``/``update_ratio``). Returns the callback
-    that logs LoGRA's statistics.
+    schedule scales ``update_ratio`` (or ``lr``), and is logged as ``logra/update_ratio``; the
+    trainer's default linear decay, which would take the step to zero by the end of training (and
+    with KL control, the KL per update once ``alpha_max`` binds), is replaced by a constant schedule
+    unless ``keep_lr_schedule=True`` (any other ``lr_scheduler_type`` is the user's choice and kept).
+    ``max_grad_norm`` is disabled (no dense gradient exists to clip; the step size is set by
+    ``kl_budget``/``update_ratio``). Returns the callback that logs LoGRA's statistics.
 
     With ``use_vllm=True`` in colocate mode, ``vllm_sync="compressed"`` (default) replaces the
     trainer's full-weight ``sync_weights`` with :class:`~logra_optim.integrations.vllm.VLLMSync`:
@@ -173,8 +184,18 @@ def attach_logra(
         )
         trainer.args.max_grad_norm = 0.0
 
+    deepspeed = getattr(trainer, "is_deepspeed_enabled", False)  # then LoGRA runs beside the engine, unscheduled
+    if not deepspeed and not keep_lr_schedule and trainer.args.lr_scheduler_type == SchedulerType.LINEAR:
+        warnings.warn(
+            "attach_logra: the trainer's default linear learning-rate decay would scale LoGRA's update_ratio down "
+            "to 0 by the end of training; using a constant schedule instead (attach_logra(keep_lr_schedule=True) "
+            "keeps the linear decay; any other lr_scheduler_type is kept as given)",
+            stacklevel=2,
+        )
+        trainer.args.lr_scheduler_type = SchedulerType.CONSTANT
+
     callback = LoGRACallback(trainer)
-    if getattr(trainer, "is_deepspeed_enabled", False):
+    if deepspeed:
         _attach_beside_deepspeed(trainer, callback, optimizer_kwargs)
     else:
 
