@@ -251,6 +251,35 @@ def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
     return decoder, head
 
 
+# Whether a model's logits are exactly ``lm_head(decoder(x)[0])``, checked once per model.
+_HEAD_REPRODUCES_LOGITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _chunkable_head(model: nn.Module, contexts: ProbeContexts) -> tuple[nn.Module, nn.Linear] | None:
+    """:func:`_decoder_and_head`, kept only if the head applied to the decoder's output reproduces
+    ``model(x).logits`` at one position. Models scale or cap logits in places no config name
+    reveals (FalconH1's ``lm_head_multiplier``, a composite config's ``text_config``); the chunked
+    path would then miss the factor, squared, in ``q``. Checked once per model, on a few tokens."""
+    split = _decoder_and_head(model)
+    if split is None:
+        return None
+    if model not in _HEAD_REPRODUCES_LOGITS:
+        decoder, head = split
+        # One sequence, compared at a position it attends from (padding can sit on either side).
+        one = ProbeContexts(contexts.input_ids[:1], _first_row(contexts.attention_mask), contexts.probe_mask[:1])
+        position = int(one.attention_mask[0].nonzero()[-1]) if one.attention_mask is not None else -1
+        with _inference_environment(model):
+            logits = default_logits_fn(model, one)[0, position].float()
+            output = decoder(input_ids=one.input_ids, attention_mask=one.attention_mask, use_cache=False)
+            hidden = output if isinstance(output, torch.Tensor) else output[0]
+            chunked = F.linear(hidden[0, position], head.weight, head.bias).float()
+        scale = float(logits.abs().max()) or 1.0
+        _HEAD_REPRODUCES_LOGITS[model] = chunked.shape == logits.shape and bool(
+            (chunked - logits).abs().max() <= 1e-3 * scale
+        )
+    return split if _HEAD_REPRODUCES_LOGITS[model] else None
+
+
 def _chunked_head_kl_terms(decoder, head: nn.Linear, contexts: ProbeContexts) -> torch.Tensor:
     """Per-position ``q_s`` with the LM head applied ``HEAD_CHUNK_POSITIONS`` positions at a time."""
     output = decoder(input_ids=contexts.input_ids, attention_mask=contexts.attention_mask, use_cache=False)
@@ -267,6 +296,10 @@ def _chunked_head_kl_terms(decoder, head: nn.Linear, contexts: ProbeContexts) ->
     return torch.cat(terms)
 
 
+def _first_row(mask: torch.Tensor | None) -> torch.Tensor | None:
+    return None if mask is None else mask[:1]
+
+
 def jvp_predicted_kl(
     model, targets, factors, contexts: ProbeContexts, logits_fn: LogitsFn = default_logits_fn, keep_base: bool = True
 ):
@@ -274,10 +307,10 @@ def jvp_predicted_kl(
 
     With ``keep_base=False`` (the base logits are only needed by a realised-KL check) and the
     default ``logits_fn``, the LM head runs a chunk of positions at a time where the model allows
-    it (see ``_decoder_and_head``), and the base logits returned are ``None``: the full
+    it (see ``_chunkable_head``), and the base logits returned are ``None``: the full
     ``positions × vocabulary`` logits, twice over, would otherwise set the probe's memory peak at
     large vocabularies."""
-    split = _decoder_and_head(model) if not keep_base and logits_fn is default_logits_fn else None
+    split = _chunkable_head(model, contexts) if not keep_base and logits_fn is default_logits_fn else None
     with (
         _inference_environment(model),
         fwAD.dual_level(),
