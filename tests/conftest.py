@@ -7,13 +7,13 @@ test run is reproducible bit for bit and CI cannot flake on a newly drawn exampl
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-sys.path.insert(0, os.path.dirname(__file__))
+from tests.helpers.tiny import fixed_batch, tiny_qwen2
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 settings.register_profile(
@@ -40,15 +40,11 @@ def _fixed_torch_seed():
 
 @pytest.fixture
 def tiny():
-    from tiny import tiny_qwen2
-
     return tiny_qwen2()
 
 
 @pytest.fixture
 def batch():
-    from tiny import fixed_batch
-
     return fixed_batch()
 
 
@@ -56,8 +52,6 @@ def batch():
 def fitted_model():
     """A tiny Qwen2 fitted to a fixed batch, so its next-token distributions are far from uniform
     (a KL budget is only meaningful for a policy with confident predictions). Tests deep-copy it."""
-    from tiny import fixed_batch, tiny_qwen2
-
     model = tiny_qwen2(attn_implementation="sdpa")
     batch = fixed_batch(batch=4, seq=16)
     adam = torch.optim.AdamW(model.parameters(), lr=3e-3)

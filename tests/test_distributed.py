@@ -23,22 +23,24 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-WORKERS = os.path.join(os.path.dirname(__file__), "distributed_workers")
-sys.path.insert(0, WORKERS)
+from logra_optim import LoGRAOptimizer, patch_model
+from logra_optim import distributed as dp
+from logra_optim.updates import merge_low_rank_
+from tests.distributed_workers.common import CONFIGS, MODES, build_model, reference, trained_weights
+from tests.helpers.reference import merged
+from tests.helpers.tiny import TwoLinear
 
-from common import CONFIGS, MODES, build_model, reference, trained_weights  # noqa: E402
-
-from logra_optim import distributed as dp  # noqa: E402
-from logra_optim.updates import merge_low_rank_  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 deepspeed_available = pytest.mark.skipif(
     __import__("importlib").util.find_spec("deepspeed") is None, reason="needs deepspeed (the test extra)"
 )
 
 
-def torchrun(script: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Launch ``script`` on 2 local ranks (gloo); returns the finished process."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
+def torchrun(worker: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Launch ``tests.distributed_workers.<worker>`` on 2 local ranks (gloo); returns the finished process."""
+    pythonpath = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore", PYTHONPATH=pythonpath)
     command = [
         sys.executable,
         "-m",
@@ -46,10 +48,11 @@ def torchrun(script: str, *args: str, timeout: float = 600) -> subprocess.Comple
         "--standalone",
         "--nproc_per_node",
         "2",
-        os.path.join(WORKERS, script),
+        "-m",
+        f"tests.distributed_workers.{worker}",
         *args,
     ]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -65,7 +68,7 @@ def _reference(config: str, mode: str) -> dict:
     "mode", [pytest.param(m, marks=deepspeed_available if m.startswith("zero") else ()) for m in MODES]
 )
 def test_two_ranks_on_half_batches_equal_one_process_on_the_full_batch(mode, tmp_path):
-    result = torchrun("equivalence.py", mode, str(tmp_path))
+    result = torchrun("equivalence", mode, str(tmp_path))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     results = torch.load(tmp_path / f"{mode}.pt", weights_only=False)
     initial = trained_weights(build_model())
@@ -130,7 +133,7 @@ def test_zero3_partitions_merge_to_the_dense_update(d, k, r, world, chunk_rows, 
         flat = weight.reshape(-1)[start:stop].clone()
         dp.merge_flat_partition_(flat, start, factor, projection, chunk_bytes=8 * k * chunk_rows)
         pieces.append(flat)
-    want = weight - factor @ projection
+    want = merged(weight, factor, projection)
     torch.testing.assert_close(torch.cat(pieces).reshape(d, k), want, rtol=1e-12, atol=1e-12)
     # The partitions' partial sums of squares add up to ‖W‖² (what η's all-gather sums).
     assert sum(float(p.square().sum()) for p in pieces) == pytest.approx(float(want.square().sum()), rel=1e-12)
@@ -147,15 +150,16 @@ def test_row_shards_merge_and_norm_to_the_dense_values(d, k, r, world, seed):
     shards = list(torch.chunk(weight.clone(), world, dim=0)) + [weight[:0].clone()] * (
         world - len(torch.chunk(weight, world))
     )
-    start, merged, partial = 0, [], 0.0
+    start, pieces, partial = 0, [], 0.0
     for shard in shards:
         stop = start + shard.shape[0]
         merge_low_rank_(shard, factor[start:stop], projection)
-        merged.append(shard)
+        pieces.append(shard)
         partial += float(shard.square().sum())
         start = stop
-    torch.testing.assert_close(torch.cat(merged), weight - factor @ projection, rtol=1e-12, atol=1e-12)
-    assert partial == pytest.approx(float((weight - factor @ projection).square().sum()), rel=1e-12)
+    want = merged(weight, factor, projection)
+    torch.testing.assert_close(torch.cat(pieces), want, rtol=1e-12, atol=1e-12)
+    assert partial == pytest.approx(float(want.square().sum()), rel=1e-12)
 
 
 def test_merge_flat_partition_rejects_a_partition_outside_the_weight():
@@ -168,7 +172,7 @@ def test_guards_and_rank_summed_scalars(tmp_path):
     differing A at the next step, naming the target); Shard(1) and FSDP1 are refused clearly; the
     predicted KL is the token-weighted mean over every rank's probe positions (3 vs 32 here) and κ
     the token mean over every rank's tokens."""
-    result = torchrun("guards.py", str(tmp_path))
+    result = torchrun("guards", str(tmp_path))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     for rank, seen in enumerate(torch.load(tmp_path / "guards.pt", weights_only=False)):
         assert seen["seed"].startswith("RuntimeError") and "ranks [0, 1] disagree" in seen["seed"], rank
@@ -197,7 +201,7 @@ def test_grpo_trainer_on_two_ranks(engine, tmp_path):
     attached with attach_logra: every update is applied on both ranks identically (ZeRO-3: into the
     partitions, gathered here), KL control runs (JVP; finite differences under ZeRO-3), its statistics
     reach the trainer's logs, and resuming from a checkpoint is bit-identical."""
-    result = torchrun("grpo_distributed.py", engine, str(tmp_path))
+    result = torchrun("grpo_distributed", engine, str(tmp_path))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     first, second = torch.load(tmp_path / f"grpo-{engine}.pt", weights_only=False)
     for seen in (first, second):
@@ -223,10 +227,6 @@ def test_grpo_trainer_on_two_ranks(engine, tmp_path):
 
 
 def test_single_process_options():
-    from tiny import TwoLinear
-
-    from logra_optim import LoGRAOptimizer, patch_model
-
     with pytest.raises(RuntimeError, match="not initialised"):
         LoGRAOptimizer(patch_model(TwoLinear(), target_modules=["up", "down"]), rank=2, process_group=object())
     model = patch_model(TwoLinear(), target_modules=["up"])
@@ -239,9 +239,6 @@ def test_single_process_options():
 
 def test_state_dict_lists_every_target_before_its_first_update():
     """So that template-based loaders (DCP) find every entry; loading it changes nothing."""
-    from tiny import TwoLinear
-
-    from logra_optim import LoGRAOptimizer, patch_model
 
     def run(load_fresh_state: bool) -> dict[str, torch.Tensor]:
         model = patch_model(TwoLinear(), target_modules=["up", "down"])

@@ -1,6 +1,7 @@
 """``LoGRAOptimizer``: the merge against a dense float64 reference recomputed from the sketches,
-projection refresh, the torch.optim API (state_dict, schedulers, zero_grad, accumulation), the
-non-target optimizer, bad inputs and non-finite sketches."""
+projection refresh, the non-target optimizer, bad inputs, the optimizer's lifetime, non-finite
+sketches and bf16 storage. The torch.optim contract (state_dict, schedulers, zero_grad,
+accumulation) is in test_contract.py."""
 
 from __future__ import annotations
 
@@ -17,43 +18,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from logra_optim import LoGRAOptimizer, make_projection, patch_model, patched_modules, projection_seed
-from tiny import OneLinear, TwoLinear, fixed_batch, sketches, sum_token_loss, tiny_qwen2
-
-U32 = 2.0**-24
-U16 = 2.0**-8
+from tests.helpers import reference
+from tests.helpers.optim import assert_same_state, backward_random, snapshot, two_linear
+from tests.helpers.recorders import OutputShapes
+from tests.helpers.reference import U16, U32
+from tests.helpers.tiny import OneLinear, fixed_batch, sketches, tiny_qwen2
 
 
 def targets(model):
     return patched_modules(model)
-
-
-def backward_random(model, generator, k=12, d=7, rows=3):
-    """One microbatch through a TwoLinear-shaped model with loss ⟨y, g⟩ for random g."""
-    x = torch.randn(rows, k, generator=generator)
-    g = torch.randn(rows, d, generator=generator)
-    (model(x) * g).sum().backward()
-
-
-def snapshot(model):
-    """(W, S, A) per target, as float64 copies, taken right before a step."""
-    return [
-        (m.weight.detach().double().clone(), m._logra.sketch.double().clone(), m._logra.projection.double().clone())
-        for _, m in targets(model)
-    ]
-
-
-def rowadam_reference_step(s, v, t, beta2=0.95, eps=1e-8):
-    """METHOD.md §2 in float64; returns (U, v_new)."""
-    v = beta2 * v + (1 - beta2) * (s**2).mean(dim=1)
-    rho = torch.sqrt(v / (1 - beta2**t))
-    den = rho + eps * rho.mean()
-    u = s / den[:, None]
-    return u * (torch.linalg.norm(s) / torch.linalg.norm(u)), v
-
-
-def two_linear(model_seed=0, **kwargs):
-    model = patch_model(TwoLinear(seed=model_seed), target_modules=["up", "down"])
-    return model, LoGRAOptimizer(model, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -61,7 +34,7 @@ def two_linear(model_seed=0, **kwargs):
 
 
 @given(
-    optimizer=st.sampled_from(["sgd", "rowadam"]),
+    direction=st.sampled_from(["sgd", "rowadam"]),
     mode=st.sampled_from(["lr", "update_ratio"]),
     wire=st.sampled_from([None, torch.bfloat16]),
     refresh=st.booleans(),
@@ -71,12 +44,12 @@ def two_linear(model_seed=0, **kwargs):
     seed=st.integers(0, 2**31 - 1),
 )
 @settings(max_examples=60)
-def test_merge_matches_dense_reference(optimizer, mode, wire, refresh, kind, rank, steps, seed):
+def test_merge_matches_dense_reference(direction, mode, wire, refresh, kind, rank, steps, seed):
     size = {"lr": 0.05, "update_ratio": 1e-2}[mode]
     model, opt = two_linear(
         model_seed=seed % 100,
         rank=rank,
-        optimizer=optimizer,
+        direction=direction,
         projection=kind,
         refresh=refresh,
         wire_dtype=wire,
@@ -96,29 +69,24 @@ def test_merge_matches_dense_reference(optimizer, mode, wire, refresh, kind, ran
 
         directions = []
         for i, (_, s, _) in enumerate(before):
-            if optimizer == "sgd":
-                directions.append(s)
-            else:
-                u, moments[i] = rowadam_reference_step(s, moments[i], step)
-                directions.append(u)
+            u, moments[i] = reference.direction(direction, s, moments[i], step)
+            directions.append(u)
         if mode == "lr":
             eta = size
         else:
-            w_sq = sum(float(w.square().sum()) for w, _, _ in before)
-            u_sq = sum(float((u @ a).square().sum()) for u, (_, _, a) in zip(directions, before))
-            eta = size * math.sqrt(w_sq / u_sq)
+            eta = reference.step_size(size, [w for w, _, _ in before], directions, [a for _, _, a in before])
         for (name, module), (w, _, a), u in zip(targets(model), before, directions):
             factor = eta * u
             relative_factor_error = 1e-5
             if wire is not None:
                 factor = factor.float().to(wire).double()
                 relative_factor_error += 2 * U16  # the fp32 factor may round to the neighbouring bf16 value
-            expected = w - factor @ a
+            expected = reference.merged(w, factor, a)
             bound = (a.shape[0] + 2) * U32 * (w.abs() + factor.abs() @ a.abs()) + relative_factor_error * (
                 factor.abs() @ a.abs()
             )
             assert ((module.weight.double() - expected).abs() <= bound).all(), name
-            if optimizer == "rowadam":
+            if direction == "rowadam":
                 state = opt.state[module.weight]
                 torch.testing.assert_close(
                     state["row_second_moment"].double(), moments[names.index(name)], rtol=1e-5, atol=0
@@ -139,7 +107,7 @@ def recovered_factor(w_before, w_after, a):
 def test_wire_dtype_rounds_the_merged_factor(wire):
     """The trainer must merge exactly the factor a rollout engine is sent: with bf16 on the wire,
     the F recovered from ΔW lies on the bf16 grid; without, it does not."""
-    model, opt = two_linear(rank=4, lr=0.05, optimizer="sgd", wire_dtype=wire)
+    model, opt = two_linear(rank=4, lr=0.05, direction="sgd", wire_dtype=wire)
     backward_random(model, torch.Generator().manual_seed(0))
     before = snapshot(model)
     opt.step()
@@ -152,26 +120,25 @@ def test_wire_dtype_rounds_the_merged_factor(wire):
 
 
 @pytest.mark.parametrize("wire", [None, torch.bfloat16])
-@pytest.mark.parametrize("optimizer", ["sgd", "rowadam"])
-def test_update_ratio_sets_the_relative_update_norm(wire, optimizer):
+@pytest.mark.parametrize("direction", ["sgd", "rowadam"])
+def test_update_ratio_sets_the_relative_update_norm(wire, direction):
     ratio = 1e-3
     model = patch_model(tiny_qwen2())
-    opt = LoGRAOptimizer(model, rank=8, optimizer=optimizer, update_ratio=ratio, wire_dtype=wire)
+    opt = LoGRAOptimizer(model, rank=8, direction=direction, update_ratio=ratio, wire_dtype=wire)
     model.train()
     for step in range(2):
         model(**fixed_batch(seed=step)).loss.backward()
         before = [m.weight.detach().double().clone() for _, m in targets(model)]
         opt.step()
-        delta_sq = sum(float((m.weight.double() - w).square().sum()) for (_, m), w in zip(targets(model), before))
-        weight_sq = sum(float(w.square().sum()) for w in before)
+        after = [m.weight for _, m in targets(model)]
         # fp32 storage of W (~6e-8 relative to W) seen through a 1e-3 update: ~1e-4; bf16 factor: 2⁻⁸.
-        assert math.isclose(math.sqrt(delta_sq / weight_sq), ratio, rel_tol=U16 if wire else 1e-3)
+        assert math.isclose(reference.relative_update_norm(before, after), ratio, rel_tol=U16 if wire else 1e-3)
 
 
 def test_rowadam_row_moment_survives_projection_refresh():
     """The moment is indexed by output rows, so a new A (a new sketch basis) must neither reset nor
     otherwise alter it: across refreshes it follows v ← β2 v + (1−β2) mean_j S_ij² exactly."""
-    model, opt = two_linear(rank=5, optimizer="rowadam", update_ratio=1e-3, refresh=True)
+    model, opt = two_linear(rank=5, direction="rowadam", update_ratio=1e-3, refresh=True)
     generator = torch.Generator().manual_seed(1)
     moments = [torch.zeros(m.weight.shape[0], dtype=torch.float64) for _, m in targets(model)]
     previous_projection = None
@@ -183,7 +150,7 @@ def test_rowadam_row_moment_survives_projection_refresh():
         previous_projection = before[0][2]
         opt.step()
         for i, ((_, module), (_, s, _)) in enumerate(zip(targets(model), before)):
-            moments[i] = 0.95 * moments[i] + 0.05 * s.square().mean(dim=1)
+            _, moments[i] = reference.rowadam_step(s, moments[i], step)
             moment = opt.state[module.weight]["row_second_moment"]
             assert moment.shape == (module.weight.shape[0],) and moment.dtype == torch.float32
             torch.testing.assert_close(moment.double(), moments[i], rtol=1e-5, atol=0)
@@ -224,199 +191,6 @@ def test_projection_seed_ignores_wrapper_prefixes(batch):
     assert [n for n, _ in wrapped_targets] == ["_orig_mod." + n for n in bare_names]
     for (_, a), (_, b) in zip(targets(bare), wrapped_targets):
         assert torch.equal(a._logra.projection, b._logra.projection)
-
-
-# --------------------------------------------------------------------------------------------------
-# torch.optim API
-
-
-def assert_same_state(a, b, path="state_dict"):
-    assert type(a) is type(b), path
-    if isinstance(a, dict):
-        assert list(a) == list(b), path
-        for key in a:
-            assert_same_state(a[key], b[key], f"{path}[{key!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same_state(x, y, f"{path}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and torch.equal(a, b), path
-    else:
-        assert a == b, path
-
-
-def test_state_dict_round_trips_through_weights_only_load(tiny, batch):
-    patch_model(tiny)
-    opt = LoGRAOptimizer(tiny, rank=4, update_ratio=1e-3)
-    tiny.train()
-    for _ in range(2):
-        tiny(**batch).loss.backward()
-        opt.step()
-    state = opt.state_dict()
-    assert state["logra"]["update_index"] == 2
-    # A is regenerated, never stored: per target only a step count and a d-vector of row moments.
-    for index, (_, module) in enumerate(targets(tiny)):
-        entry = state["state"][index]
-        assert set(entry) == {"step", "row_second_moment"}
-        assert entry["step"].numel() == 1
-        assert entry["row_second_moment"].shape == (module.out_features,)
-        assert entry["row_second_moment"].dtype == torch.float32
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=True)
-    assert_same_state(loaded, state)
-
-    other = patch_model(tiny_qwen2())
-    resumed = LoGRAOptimizer(other, rank=4, update_ratio=1e-3)
-    resumed.load_state_dict(loaded)
-    assert_same_state(resumed.state_dict(), state)
-    assert resumed.update_index == 2 and resumed.projection_index == 2
-    assert all(
-        torch.equal(a._logra.projection, b._logra.projection) for (_, a), (_, b) in zip(targets(tiny), targets(other))
-    )
-
-
-@pytest.mark.parametrize(
-    "optimizer, dtype",
-    [("rowadam", torch.float32), ("sgd", torch.float32), ("rowadam", torch.bfloat16)],
-)
-def test_resume_continues_bit_identically(tmp_path, optimizer, dtype):
-    kwargs = dict(rank=4, optimizer=optimizer, update_ratio=1e-3)
-
-    def steps(model, opt, first, count):
-        model.train()
-        for step in range(first, first + count):
-            model(**fixed_batch(seed=step)).loss.backward()
-            opt.step()
-            opt.zero_grad()
-
-    model = patch_model(tiny_qwen2(dtype=dtype))
-    opt = LoGRAOptimizer(model, **kwargs)
-    steps(model, opt, 0, 3)
-    torch.save(model.state_dict(), tmp_path / "model.pt")
-    torch.save(opt.state_dict(), tmp_path / "optim.pt")
-    steps(model, opt, 3, 3)
-
-    # A fresh process would start from a differently initialised model and a new optimizer.
-    resumed = tiny_qwen2(seed=123, dtype=dtype)
-    resumed.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
-    patch_model(resumed)
-    resumed_opt = LoGRAOptimizer(resumed, **kwargs)
-    resumed_opt.load_state_dict(torch.load(tmp_path / "optim.pt", weights_only=True))
-    steps(resumed, resumed_opt, 3, 3)
-    for (name, a), (_, b) in zip(model.named_parameters(), resumed.named_parameters()):
-        assert torch.equal(a, b), name
-
-    # Without the optimizer state (A, moments, step count) the continuation differs: the check
-    # above is not vacuous.
-    restarted = tiny_qwen2(seed=123, dtype=dtype)
-    restarted.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
-    patch_model(restarted)
-    steps(restarted, LoGRAOptimizer(restarted, **kwargs), 3, 3)
-    assert not torch.equal(restarted.model.layers[0].mlp.up_proj.weight, model.model.layers[0].mlp.up_proj.weight)
-
-
-def test_load_state_dict_rejects_foreign_state(tiny):
-    patch_model(tiny)
-    opt = LoGRAOptimizer(tiny, rank=4, lr=1e-3)
-    state = opt.state_dict()
-    with pytest.raises(ValueError, match="'logra' section is missing"):
-        opt.load_state_dict({k: v for k, v in state.items() if k != "logra"})
-    other = patch_model(tiny_qwen2())
-    with pytest.raises(ValueError, match="saved with rank=4.*rank=8"):
-        LoGRAOptimizer(other, rank=8, lr=1e-3).load_state_dict(state)
-
-
-@pytest.mark.parametrize("mode", ["update_ratio", "lr"])
-def test_lr_scheduler_drives_the_step(mode):
-    """torch schedulers write param_groups[i]["lr"]; in update_ratio mode that is ρ_upd (so
-    ‖ΔW‖/‖W‖ follows the schedule), in lr mode the plain learning rate."""
-    factors = [1.0, 0.5, 0.125, 2.0]
-    base = 1e-2
-    model, opt = two_linear(rank=4, optimizer="sgd", wire_dtype=None, **{mode: base})
-    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: factors[epoch])
-    generator = torch.Generator().manual_seed(0)
-    for factor in factors[:3]:
-        assert opt.param_groups[0]["lr"] == pytest.approx(base * factor, rel=1e-12)
-        backward_random(model, generator)
-        before = snapshot(model)
-        opt.step()
-        scheduler.step()
-        if mode == "update_ratio":
-            delta_sq = sum(
-                float((m.weight.double() - w).square().sum()) for (_, m), (w, _, _) in zip(targets(model), before)
-            )
-            weight_sq = sum(float(w.square().sum()) for w, _, _ in before)
-            assert math.isclose(math.sqrt(delta_sq / weight_sq), base * factor, rel_tol=1e-4)
-        else:
-            for (_, m), (w, s, a) in zip(targets(model), before):
-                torch.testing.assert_close(m.weight.double(), w - base * factor * s @ a, rtol=0, atol=1e-6)
-
-
-def test_param_groups_hold_exactly_the_target_weights(tiny):
-    patch_model(tiny)
-    opt = LoGRAOptimizer(tiny, rank=4)
-    assert len(opt.param_groups) == 1
-    assert [id(p) for p in opt.param_groups[0]["params"]] == [id(m.weight) for _, m in targets(tiny)]
-    assert opt.param_groups[0]["lr"] == 6e-5 and opt.param_groups[0]["lr_mode"] == "update_ratio"
-
-
-def test_zero_grad_clears_the_sketches(tiny, batch):
-    patch_model(tiny)
-    opt = LoGRAOptimizer(tiny, rank=4, lr=1e-3)
-    tiny.train()
-    tiny(**batch).loss.backward()
-    once = sketches(tiny)
-    tiny(**batch).loss.backward()  # no zero_grad: accumulates
-    for name, s in sketches(tiny).items():
-        # addmm_ into a non-zero sketch rounds differently from 2·S: fp32-level agreement.
-        torch.testing.assert_close(s, 2 * once[name], rtol=1e-5, atol=1e-6 * once[name].abs().max().item())
-    opt.zero_grad()
-    assert all(not s.any() for s in sketches(tiny).values())
-    tiny(**batch).loss.backward()
-    assert all(torch.equal(s, once[name]) for name, s in sketches(tiny).items())
-    opt.zero_grad(set_to_none=False)
-    assert all(not s.any() for s in sketches(tiny).values())
-
-
-def test_gradient_accumulation_equals_one_concatenated_batch():
-    batch = fixed_batch(batch=6)
-    halves = [{k: v[:3] for k, v in batch.items()}, {k: v[3:] for k, v in batch.items()}]
-    results = []
-    for microbatches in ([batch], halves):
-        model = patch_model(tiny_qwen2())
-        opt = LoGRAOptimizer(model, rank=4, optimizer="rowadam", update_ratio=1e-3, wire_dtype=None)
-        model.train()
-        for microbatch in microbatches:
-            sum_token_loss(model, microbatch).backward()
-        results.append((sketches(model), model, opt))
-    (single, model_a, opt_a), (accumulated, model_b, opt_b) = results
-    for name in single:
-        torch.testing.assert_close(
-            accumulated[name], single[name], rtol=1e-5, atol=1e-5 * single[name].abs().max().item()
-        )
-    opt_a.step()
-    opt_b.step()
-    for (name, a), (_, b) in zip(targets(model_a), targets(model_b)):
-        torch.testing.assert_close(a.weight, b.weight, rtol=1e-5, atol=1e-7, msg=name)
-
-
-def test_step_with_closure(tiny, batch):
-    patch_model(tiny)
-    opt = LoGRAOptimizer(tiny, rank=4, lr=1e-2)
-    tiny.train()
-    before = tiny.model.layers[0].mlp.up_proj.weight.clone()
-
-    def closure():
-        loss = tiny(**batch).loss
-        loss.backward()
-        return loss
-
-    loss = opt.step(closure)
-    assert isinstance(loss, torch.Tensor) and loss.item() > 0
-    assert not torch.equal(tiny.model.layers[0].mlp.up_proj.weight, before)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -484,7 +258,8 @@ def test_non_target_optimizer_state_is_checkpointed(batch):
         (dict(rank=-3), ValueError, "rank must be a positive integer, got -3"),
         (dict(rank=2.0), ValueError, "rank must be a positive integer"),
         (dict(rank=True), ValueError, "rank must be a positive integer"),
-        (dict(optimizer="adam"), ValueError, r"optimizer must be one of .*'adam'"),
+        (dict(direction="adam"), ValueError, r"direction must be one of .*'adam'"),
+        (dict(optimizer="adam"), ValueError, r"optimizer must be one of .*'adam'"),  # the deprecated name
         (dict(projection="sparse"), ValueError, r"projection must be one of .*'sparse'"),
         (dict(kl_budget=0.0), ValueError, "kl_budget must be a positive"),
         (dict(kl_budget=-1e-3), ValueError, "kl_budget must be a positive"),
@@ -558,6 +333,39 @@ def test_fp16_target_weights_warn():
 
 
 # --------------------------------------------------------------------------------------------------
+# Lifetime and train mode
+
+
+def test_releasing_the_optimizer_unbinds_the_model():
+    model = patch_model(tiny_qwen2())
+    model.train()
+    opt = LoGRAOptimizer(model, rank=3, kl_budget=1e-3)
+    hooks = len(model._forward_pre_hooks)
+    del opt
+    gc.collect()
+    assert all(m._logra.projection is None and m._logra.sketch is None for m in model.modules() if hasattr(m, "_logra"))
+    assert len(model._forward_pre_hooks) == hooks - 1  # the context recorder left too
+    with OutputShapes() as ops:
+        model(**fixed_batch())
+    assert not ops.projected_inputs(3)  # plain forwards: no sketch work for an optimizer that is gone
+    LoGRAOptimizer(model, rank=3)  # and the model can be bound again
+
+
+def test_step_warns_once_when_the_training_forward_ran_in_eval_mode():
+    model = patch_model(tiny_qwen2())
+    model.lm_head.weight.requires_grad_(True)  # so that an eval-mode loss can be backpropagated
+    opt = LoGRAOptimizer(model, rank=4, non_target_optimizer=lambda params: torch.optim.SGD(params, lr=0.0))
+    model.eval()
+    for _ in range(2):
+        model(**fixed_batch()).loss.backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+        eval_warnings = [w for w in caught if "eval mode" in str(w.message)]
+        assert len(eval_warnings) == (1 if _ == 0 else 0)
+
+
+# --------------------------------------------------------------------------------------------------
 # Non-finite and zero sketches
 
 
@@ -577,7 +385,7 @@ def test_non_finite_sketch_skips_the_step_and_changes_nothing(poison):
     def build():
         model = patch_model(tiny_qwen2())
         model.train()
-        return model, LoGRAOptimizer(model, rank=4, optimizer="rowadam", update_ratio=1e-3)
+        return model, LoGRAOptimizer(model, rank=4, direction="rowadam", update_ratio=1e-3)
 
     def good_step(model, opt, seed):
         model(**fixed_batch(seed=seed)).loss.backward()
@@ -630,7 +438,7 @@ def test_non_finite_sketch_leaves_non_target_weights_untouched(tiny, batch):
 
 def test_zero_sketch_with_sgd_leaves_weights_unchanged(tiny, batch):
     patch_model(tiny)
-    opt = LoGRAOptimizer(tiny, rank=4, optimizer="sgd", update_ratio=1e-3)
+    opt = LoGRAOptimizer(tiny, rank=4, direction="sgd", update_ratio=1e-3)
     weights = [p.detach().clone() for p in tiny.parameters()]
     tiny.train()
     (tiny(**batch).loss * 0.0).backward()
@@ -641,7 +449,7 @@ def test_zero_sketch_with_sgd_leaves_weights_unchanged(tiny, batch):
 
 def test_zero_sketch_with_rowadam_leaves_weights_finite_and_unchanged(tiny, batch):
     patch_model(tiny)
-    opt = LoGRAOptimizer(tiny, rank=4, optimizer="rowadam", update_ratio=1e-3)
+    opt = LoGRAOptimizer(tiny, rank=4, direction="rowadam", update_ratio=1e-3)
     weights = [p.detach().clone() for p in tiny.parameters()]
     tiny.train()
     (tiny(**batch).loss * 0.0).backward()
@@ -663,7 +471,7 @@ def test_sub_ulp_updates_survive_bf16_storage_on_average(stochastic_rounding):
     d = k = 64
     model = patch_model(OneLinear(k, d, bias=False).bfloat16(), target_modules=["proj"])
     opt = LoGRAOptimizer(
-        model, rank=8, optimizer="sgd", lr=1.0, wire_dtype=None, stochastic_rounding=stochastic_rounding
+        model, rank=8, direction="sgd", lr=1.0, wire_dtype=None, stochastic_rounding=stochastic_rounding
     )
     generator = torch.Generator().manual_seed(0)
     model(torch.randn(16, k, generator=generator).bfloat16()).backward(
@@ -687,8 +495,7 @@ def test_sub_ulp_updates_survive_bf16_storage_on_average(stochastic_rounding):
     coefficient = float((delta * intended).sum() / intended.square().sum())
     # Each entry rounds the fp32 value x between its bf16 neighbours (gap h) with p = (x − low)/h.
     x = (w0 + intended).float()
-    low = (x.view(torch.int32) & -65536).view(torch.float32).double()
-    high = ((x.view(torch.int32) & -65536) + 65536).view(torch.float32).double()
+    low, high = reference.bf16_neighbours(x)
     p = (x.double() - low) / (high - low)
     variance = (high - low).square() * p * (1 - p)
     standard_error = float((intended.square() * variance).sum().sqrt() / intended.square().sum())
@@ -711,7 +518,7 @@ def test_an_unused_target_does_not_poison_the_others():
             return self.used(x) + 0.0 * self.unused(x)
 
     model = patch_model(TwoBranches(), target_modules=["used", "unused"])
-    opt = LoGRAOptimizer(model, rank=2, optimizer="rowadam", update_ratio=1e-2)
+    opt = LoGRAOptimizer(model, rank=2, direction="rowadam", update_ratio=1e-2)
     model(torch.randn(4, 6)).square().sum().backward()
     assert not model.unused._logra.sketch.any() and model.used._logra.sketch.any()
     unused_before = model.unused.weight.detach().clone()

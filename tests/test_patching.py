@@ -10,11 +10,10 @@ import re
 import pytest
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from logra_optim import LoGRAOptimizer, find_target_modules, patch_model, patched_modules, unpatch_model
-from tiny import sketches, tiny_qwen2
+from tests.helpers.recorders import OutputShapes
+from tests.helpers.tiny import OneLinear, fixed_batch, sketches, tiny_qwen2
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -147,6 +146,22 @@ def test_patch_model_rejects_non_modules():
         patch_model([nn.Linear(2, 2)])
 
 
+def test_quantized_and_hooked_linears_are_refused_without_changing_the_model():
+    quantized = OneLinear(6, 5)
+    quantized.proj.weight = nn.Parameter(torch.zeros(5, 6, dtype=torch.int8), requires_grad=False)
+    with pytest.raises(ValueError, match=r"'proj' .* torch.int8 weight: quantized"):
+        patch_model(quantized, target_modules=["proj"])
+    assert not hasattr(quantized, "_logra_patch") and not hasattr(quantized.proj, "_logra")
+
+    hooked = OneLinear(6, 5)
+    original = hooked.proj.forward
+    hooked.proj.forward = lambda x: original(x)  # what accelerate's device_map hooks do
+    flags = {n: p.requires_grad for n, p in hooked.named_parameters()}
+    with pytest.raises(ValueError, match=r"'proj' already has an instance-level forward"):
+        patch_model(hooked, target_modules=["proj"])
+    assert {n: p.requires_grad for n, p in hooked.named_parameters()} == flags
+
+
 # --------------------------------------------------------------------------------------------------
 # Invisible to checkpoints and loaders
 
@@ -256,6 +271,20 @@ def test_freeze_non_targets_false_leaves_other_flags(tiny):
     assert all(flags[n] is (n not in targets) for n in flags)
 
 
+def test_deep_copy_of_a_bound_model_is_unbound():
+    model = patch_model(tiny_qwen2())
+    model.train()
+    opt = LoGRAOptimizer(model, rank=3, lr=1.0)
+    twin = copy.deepcopy(model)
+    with OutputShapes() as ops:
+        twin(**fixed_batch())
+    assert not ops.projected_inputs(3)  # the copy does no sketch work for opt
+    twin_opt = LoGRAOptimizer(twin, rank=3, lr=1.0)  # not "already driven by another optimizer"
+    twin(**fixed_batch()).loss.backward()
+    assert any(s.any() for s in twin_opt.sketch_buffers())
+    assert all(not s.any() for s in opt.sketch_buffers())
+
+
 # --------------------------------------------------------------------------------------------------
 # How models are run
 
@@ -306,24 +335,6 @@ def test_bf16_weights(batch):
     opt.step()
     after = model.model.layers[0].mlp.up_proj.weight
     assert after.dtype == torch.bfloat16 and not torch.equal(after, before)
-
-
-class OutputShapes(TorchDispatchMode):
-    """Records the shape of every tensor any aten op produces: sees the x Aᵀ product even when
-    autograd keeps nothing of it."""
-
-    def __init__(self):
-        super().__init__()
-        self.shapes: list[tuple[int, ...]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.shapes += [tuple(t.shape) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        return out
-
-    def projected_inputs(self, rank):
-        # ``rank`` is chosen to be no dimension of the tiny model, so a trailing ``rank`` is x Aᵀ.
-        return [shape for shape in self.shapes if shape and shape[-1] == rank]
 
 
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])

@@ -13,10 +13,9 @@ from hypothesis import strategies as st
 
 from logra_optim import LoGRAOptimizer, make_projection, patch_model, projection_seed
 from logra_optim.sketch import GRAPH_ANCHOR, SketchBank, sketched_linear
-from tiny import OneLinear, fixed_batch, tiny_qwen2
-
-U32 = 2.0**-24
-U16 = 2.0**-8
+from tests.helpers.recorders import OutputShapes, SavedTensors
+from tests.helpers.reference import U16, U32, dense_gradient, dense_sketch
+from tests.helpers.tiny import OneLinear, fixed_batch, tiny_qwen2
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -67,8 +66,7 @@ def test_sketched_linear_matches_dense_float64(b, t, k, d, r, bias, kind, dtype,
 
     n = b * t
     x64, g64, a64, w64 = x.detach().double().reshape(n, k), g.double().reshape(n, d), a.double(), weight.double()
-    dense_grad = g64.t() @ x64  # G = gᵀ x, d×k
-    expected = dense_grad @ a64.t()
+    expected = dense_sketch(g64, x64, a64)
     assert sketch.dtype == torch.float32
     assert ((sketch.double() - expected).abs() <= sketch_error_bound(g64, x64, a64, dtype, n, k)).all()
     assert weight.grad is None
@@ -106,7 +104,7 @@ def test_microbatch_accumulation_equals_one_batch(n, k, d, r, cuts, seed):
     single = torch.zeros(d, r)
     sketched_linear(x, weight, None, a, single).backward(g)
 
-    expected = (g.double().t() @ x.double()) @ a.double().t()
+    expected = dense_sketch(g, x, a)
     bound = sketch_error_bound(g.double(), x.double(), a.double(), torch.float32, n, k)
     assert ((accumulated.double() - expected).abs() <= bound).all()
     assert ((accumulated.double() - single.double()).abs() <= 2 * bound).all()
@@ -141,7 +139,7 @@ def test_patched_linear_with_optimizer_accumulates_dense_reference(d, k, r_fract
         x, g = random_problem(b, t, k, d, generator, dtype)
         model(x).backward(g)
         x64, g64 = x.double().reshape(-1, k), g.double().reshape(-1, d)
-        dense_grad += g64.t() @ x64
+        dense_grad += dense_gradient(g64, x64)
         bound += sketch_error_bound(g64, x64, a64, dtype, b * t, k)
     assert model.proj.weight.grad is None and model.proj.bias.grad is None
     assert ((target.sketch.double() - dense_grad @ a64.t()).abs() <= bound).all()
@@ -159,7 +157,7 @@ def test_sketch_reconstruction_is_unbiased(kind):
     x = torch.randn(n, k, generator=generator)
     g = torch.randn(n, d, generator=generator)
     weight = torch.randn(d, k, generator=generator)
-    dense_grad = g.double().t() @ x.double()
+    dense_grad = dense_gradient(g, x)
 
     total = torch.zeros(d, k, dtype=torch.float64)
     for i in range(m):
@@ -178,26 +176,7 @@ def test_sketch_reconstruction_is_unbiased(kind):
 
 
 # --------------------------------------------------------------------------------------------------
-# What is saved for backward
-
-
-class SavedTensors:
-    """Records every tensor autograd saves for backward while active."""
-
-    def __init__(self):
-        self.saved: list[torch.Tensor] = []
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-
-    def _pack(self, tensor):
-        self.saved.append(tensor)
-        return tensor
-
-    def __enter__(self):
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
+# What is saved for backward, and what backward forms
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -260,6 +239,26 @@ def test_no_target_input_is_saved_in_a_training_forward_of_qwen2():
     found = target_inputs_and_saved(patched)
     assert len(found) == 14 and not any(found)
     assert all(m.weight.grad is None for m in patched.modules() if hasattr(m, "_logra"))
+
+
+def test_backward_forms_no_weight_sized_tensor():
+    """No d×k tensor is created in a target's backward (fp32, no autocast); the same recorder sees
+    one for an ordinary trainable linear, so the check can fail."""
+    d, k, n, r = 11, 7, 13, 3
+    model = patch_model(OneLinear(k, d, bias=False), target_modules=["proj"])
+    _optimizer = LoGRAOptimizer(model, rank=r, lr=1.0)
+    x = torch.randn(n, k, requires_grad=True)
+    loss = model(x).square().sum()
+    with OutputShapes() as ops:
+        loss.backward()
+    assert (d, k) not in ops.shapes and (k, d) not in ops.shapes
+    assert (d, r) in ops.shapes  # the sketch product
+
+    plain = OneLinear(k, d, bias=False)
+    loss = plain(torch.randn(n, k, requires_grad=True)).square().sum()
+    with OutputShapes() as ops:
+        loss.backward()
+    assert (d, k) in ops.shapes or (k, d) in ops.shapes
 
 
 # --------------------------------------------------------------------------------------------------

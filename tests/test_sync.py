@@ -25,7 +25,8 @@ from logra_optim.sync import (
     relative_drift,
     weight_checksum,
 )
-from tiny import TwoLinear, tiny_qwen2
+from tests.helpers.reference import merged
+from tests.helpers.tiny import TwoLinear, tiny_qwen2
 
 
 def _payload(first=1, updates=2, rank=3, shapes=((5, 7), (4, 6)), dtype=torch.bfloat16, seed=0) -> SyncPayload:
@@ -136,13 +137,26 @@ def test_merge_hook_reports_exactly_the_merged_update(wire_dtype):
             module = target.name.removesuffix(".weight")
             assert target.seed == projection_seed(5, step, module)
             assert target.factor.dtype == (wire_dtype or torch.float32)
-            expected = before[module] - target.factor.double() @ projection_of(payload, target).double()
+            expected = merged(before[module], target.factor, projection_of(payload, target))
             weight = dict(model.named_modules())[module].weight.detach().double()
             torch.testing.assert_close(weight, expected, rtol=0, atol=1e-6)
     recorder.close()
     model(torch.randn(6, 12)).square().sum().backward()
     optimizer.step()
-    assert recorder.drain() is None and not optimizer._merge_hooks
+    assert recorder.drain() is None  # closed: its hook is gone, the step recorded nothing
+
+
+def test_a_removed_merge_hook_is_not_called():
+    model = patch_model(TwoLinear(), target_modules=["up", "down"])
+    optimizer = LoGRAOptimizer(model, rank=3, update_ratio=1e-2)
+    calls = []
+    handle = optimizer.register_merge_hook(lambda opt, update: calls.append(update.index))
+    for _ in range(2):
+        model(torch.randn(6, 12)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        handle.remove()
+    assert calls == [1]
 
 
 def test_recorder_keeps_consecutive_updates_until_drained():
@@ -212,7 +226,7 @@ def test_fused_qkv_placements_match_dense_reference(tp_size, heads_per_rank, kv_
     }
     factors = {m: torch.randn(w.shape[0], rank, generator=generator, dtype=torch.float64) for m, w in dense.items()}
     projection = make_projection(seed, rank, hidden, "gaussian", dtype=torch.float64)
-    updated = {m: dense[m] - factors[m] @ projection for m in dense}
+    updated = {m: merged(dense[m], factors[m], projection) for m in dense}
     kv_local = (1 if tp_size >= kv_heads else kv_heads // tp_size) * head_dim
     replicas = max(1, tp_size // kv_heads)
     for tp_rank in range(tp_size):
@@ -243,7 +257,7 @@ def test_merged_and_row_parallel_placements_match_dense_reference(tp_size, rows,
     f_down = torch.randn(hidden, rank, generator=generator, dtype=torch.float64)
     a_in = make_projection(seed, rank, hidden, "rademacher", dtype=torch.float64)
     a_mid = make_projection(seed + 1, rank, intermediate, "rademacher", dtype=torch.float64)
-    new_gate, new_up, new_down = gate - f_gate @ a_in, up - f_up @ a_in, down - f_down @ a_mid
+    new_gate, new_up, new_down = merged(gate, f_gate, a_in), merged(up, f_up, a_in), merged(down, f_down, a_mid)
     shard = intermediate // tp_size
     for tp_rank in range(tp_size):
         rows_of = slice(tp_rank * shard, (tp_rank + 1) * shard)

@@ -1,5 +1,5 @@
 """The TRL adapter with the real trainers: ``GRPOTrainer`` and ``RLOOTrainer`` (trl 1.16) on the CPU,
-a tiny Qwen2, a tokenizer built in memory and a verifiable toy reward (see ``trl_setup.py``).
+a tiny Qwen2, a tokenizer built in memory and a verifiable toy reward (see ``tests/helpers/trl_setup.py``).
 
 What is checked: training runs with LoGRA and changes exactly the target weights; no target ever
 has a ``.grad``; LoGRA's statistics reach ``trainer.state.log_history``; a checkpoint resumes
@@ -24,9 +24,9 @@ pytest.importorskip("trl")
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 from trl import GRPOTrainer
 
-import trl_setup as setup
 from logra_optim import LoGRAOptimizer, patched_modules
 from logra_optim.integrations.trl import LoGRACallback, attach_logra
+from tests.helpers import trl_setup as setup
 
 REPO = Path(__file__).resolve().parents[1]
 LOGGED_KEYS = ("logra/alpha", "logra/predicted_kl", "logra/kl_budget", "logra/mismatch")
@@ -132,7 +132,7 @@ def test_trainer_uses_logra_and_patches_its_own_model(run):
     names = [name for name, _ in patched_modules(trainer.model)]
     assert len(names) == 2 * len(TARGET_SUFFIXES)
     assert {name.rsplit(".", 1)[-1] for name in names} == set(TARGET_SUFFIXES)
-    assert optimizer._model is trainer.model
+    assert optimizer.model is trainer.model
     # The probe temperature is the trainer's sampling temperature.
     assert optimizer._probe_contexts().temperature == pytest.approx(trainer.temperature)
 

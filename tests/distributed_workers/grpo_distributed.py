@@ -1,9 +1,10 @@
 """Worker for tests/test_distributed.py: TRL's GRPOTrainer on 2 ranks, under DDP or DeepSpeed ZeRO-2/3.
 
-Run as ``torchrun --nproc_per_node 2 grpo_distributed.py ENGINE OUT`` with ENGINE ``ddp``, ``zero2`` or
-``zero3``. DDP: ``use_cpu=True`` under torchrun. DeepSpeed, with the CPU workaround of ENVIRONMENT.md:
-``ACCELERATE_USE_DEEPSPEED=true``, a gloo ``PartialState`` created before the config, ``use_cpu=False``
-and ``accelerator_config={"use_configured_state": True}``. The final norm is trained too (DDP and
+Run as ``torchrun --nproc_per_node 2 -m tests.distributed_workers.grpo_distributed ENGINE OUT`` from the
+repository root, with ENGINE ``ddp``, ``zero2`` or ``zero3``. DDP: ``use_cpu=True`` under torchrun.
+DeepSpeed, with the CPU workaround of ENVIRONMENT.md: ``ACCELERATE_USE_DEEPSPEED=true``, a gloo
+``PartialState`` created before the config, ``use_cpu=False`` and
+``accelerator_config={"use_configured_state": True}``. The final norm is trained too (DDP and
 DeepSpeed refuse a model without a trainable parameter): by LoGRA's ``non_target_optimizer`` under
 DDP, by the engine's optimizer under DeepSpeed. Rank 0 writes what the test checks.
 """
@@ -15,7 +16,6 @@ import os
 import sys
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if sys.argv[1].startswith("zero"):
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -25,9 +25,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from accelerate import PartialState  # noqa: E402
 
-import trl_setup as setup  # noqa: E402
 from logra_optim import canonical_name, patch_model, patched_modules  # noqa: E402
 from logra_optim.integrations.trl import attach_logra  # noqa: E402
+from tests.helpers import trl_setup as setup  # noqa: E402
 
 STEPS = 3
 

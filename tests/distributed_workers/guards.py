@@ -1,7 +1,8 @@
 """Worker for tests/test_distributed.py: the guards and the rank-summed scalars, on 2 real ranks.
 
-Run as ``torchrun --nproc_per_node 2 guards.py OUT``; rank 0 writes ``OUT/guards.pt`` with what each
-check observed (error messages, values), and the test asserts on it.
+Run as ``torchrun --nproc_per_node 2 -m tests.distributed_workers.guards OUT`` from the repository
+root; rank 0 writes ``OUT/guards.pt`` with what each check observed (error messages, values), and the
+test asserts on it.
 """
 
 from __future__ import annotations
@@ -11,14 +12,12 @@ import os
 import sys
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from common import BATCH, build_model  # noqa: E402
-from logra_optim import LoGRAOptimizer  # noqa: E402
-from logra_optim import distributed as dp  # noqa: E402
+from logra_optim import LoGRAOptimizer
+from logra_optim import distributed as dp
+from tests.distributed_workers.common import BATCH, build_model
 
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
@@ -55,7 +54,7 @@ def main() -> None:
     if rank == 1:
         target = model.model.layers[1].mlp.down_proj._logra
         target.set_projection(-target.projection)
-        opt._checksums = [dp.projection_checksum(t.projection) for t in opt._targets]
+        opt._checksums = [dp.projection_checksum(t.state.projection) for t in opt.targets]
     model(**BATCH).loss.backward()
     results["projection"] = error_of(opt.step)
     del opt

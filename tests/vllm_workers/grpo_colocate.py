@@ -1,6 +1,6 @@
 """GRPO with ``use_vllm=True`` (colocate) and LoGRA on the toy task; writes a JSON summary.
 
-Usage: grpo_colocate.py OUTPUT_DIR RESULT_JSON"""
+Usage: grpo_colocate.py OUTPUT_DIR RESULT_JSON, with the repository root on PYTHONPATH."""
 
 import json
 import os
@@ -11,9 +11,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import torch  # noqa: E402
 
-import trl_setup  # noqa: E402
 from logra_optim.integrations.trl import attach_logra  # noqa: E402
-from vllm_helpers import engine_logprobs, max_difference, trainer_logprobs  # noqa: E402
+from tests.helpers import trl_setup  # noqa: E402
+from tests.helpers.vllm_helpers import engine_logprobs, max_difference, trainer_logprobs  # noqa: E402
 
 output, result_path = sys.argv[1], sys.argv[2]
 path = trl_setup.save_policy(os.path.join(output, "policy"))

@@ -1,22 +1,28 @@
 """VLLMSync against vLLM's default engine, which runs in a separate process (the README's example):
 a full sync and 4 compressed ones; writes a JSON summary.
 
-Usage: multiprocess_engine.py OUTPUT_DIR RESULT_JSON"""
+Usage: multiprocess_engine.py OUTPUT_DIR RESULT_JSON, with the repository root on PYTHONPATH."""
 
 import json
 import os
 import sys
 
-import vllm_helpers  # noqa: F401  (sets the engine environment defaults; the next line undoes one)
+from tests.helpers import vllm_helpers  # noqa: F401  (sets the engine environment defaults; the next line undoes one)
 
 os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
 
 import torch  # noqa: E402
 
-import trl_setup  # noqa: E402
 from logra_optim import LoGRAOptimizer, patch_model  # noqa: E402
 from logra_optim.integrations.vllm import VLLMSync  # noqa: E402
-from vllm_helpers import build_engine, engine_logprobs, max_difference, train_step, trainer_logprobs  # noqa: E402
+from tests.helpers import trl_setup  # noqa: E402
+from tests.helpers.vllm_helpers import (  # noqa: E402
+    build_engine,
+    engine_logprobs,
+    max_difference,
+    train_step,
+    trainer_logprobs,
+)
 
 if __name__ == "__main__":  # the engine process is spawned: keep module-level work out of its import
     output, result_path = sys.argv[1], sys.argv[2]

@@ -10,7 +10,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import torch
 
-import trl_setup
+from tests.helpers import trl_setup
 
 PROMPTS = [[3, 7, 11, 2, 40, 41, 9, 12, 30, 5], [20, 21, 22, 23, 24, 25, 26], [59, 0, 58, 1, 57, 2]]
 

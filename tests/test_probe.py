@@ -1,0 +1,162 @@
+"""The KL probe (``logra_optim.probe``): which positions it probes and how it is given them, the
+JVP and finite-difference predictions (against each other, the chunked LM head against the full
+logits), and the training setups it must work in (SDPA, checkpointing, autocast, bf16)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from logra_optim import LoGRAOptimizer, patch_model
+from logra_optim.probe import contexts_from_batch, finite_difference_predicted_kl, jvp_predicted_kl
+from tests.helpers.tiny import fixed_batch, tiny_qwen2
+
+
+# ------------------------------------------------------------------------------------------------
+# Probe contexts
+
+
+def test_contexts_from_batch_selects_positions_predicting_trained_tokens():
+    input_ids = torch.tensor([[5, 6, 7, 8, 0], [1, 2, 3, 4, 5]])
+    attention_mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
+    labels = torch.tensor([[-100, -100, 7, 8, -100], [-100, 2, 3, 4, 5]])
+    contexts = contexts_from_batch(input_ids, attention_mask, labels, samples=2, temperature=0.7)
+    # Logits at t predict token t+1: a position is probed when token t+1 is a real, trained token.
+    expected = torch.tensor([[0, 1, 1, 0, 0], [1, 1, 1, 1, 0]], dtype=torch.bool)
+    assert torch.equal(contexts.probe_mask, expected)
+    assert contexts.tokens == 6 and contexts.temperature == 0.7
+    assert contexts_from_batch(input_ids, attention_mask, labels, samples=1).input_ids.shape == (1, 5)
+
+
+def test_set_probe_contexts_validates_shapes_and_copies():
+    model = patch_model(tiny_qwen2())
+    opt = LoGRAOptimizer(model, rank=4, kl_budget=1e-3)
+    input_ids = fixed_batch()["input_ids"]
+    with pytest.raises(ValueError, match="completion_mask .* must have the shape of input_ids"):
+        opt.set_probe_contexts(input_ids, completion_mask=torch.ones(input_ids.shape[0], 3))
+    with pytest.raises(ValueError, match="attention_mask"):
+        opt.set_probe_contexts(input_ids, attention_mask=torch.ones(1, input_ids.shape[1]))
+    opt.set_probe_contexts(input_ids)
+    before = opt._probe_contexts().input_ids.clone()
+    input_ids.fill_(0)  # the caller reuses its buffer
+    assert torch.equal(opt._probe_contexts().input_ids, before)
+
+
+def test_explicit_contexts_and_temperature(fitted_model):
+    base, batch = fitted_model
+    model = patch_model(copy.deepcopy(base))
+    opt = LoGRAOptimizer(model, rank=16, kl_budget=1e-4, update_ratio=5e-3, alpha_max=100.0)
+    probe_mask = torch.zeros_like(batch["input_ids"], dtype=torch.bool)
+    probe_mask[:, 8:12] = True
+    opt.set_probe_contexts(batch["input_ids"], probe_mask=probe_mask, temperature=0.5)
+    model(**batch).loss.backward()
+    opt.step()
+    assert opt.stats["probe_tokens"] == 4 * 4
+    with pytest.raises(ValueError, match="probe_mask"):
+        opt.set_probe_contexts(batch["input_ids"], probe_mask=probe_mask[:, :3])
+    with pytest.raises(ValueError, match="temperature"):
+        opt.set_probe_contexts(batch["input_ids"], temperature=0.0)
+    with pytest.raises(ValueError, match="no probe positions"):
+        opt.set_probe_contexts(batch["input_ids"], probe_mask=torch.zeros_like(probe_mask))
+
+
+def test_missing_probe_contexts_say_how_to_give_them(fitted_model):
+    base, batch = fitted_model
+    model = patch_model(copy.deepcopy(base))
+    opt = LoGRAOptimizer(model, rank=16, kl_budget=1e-4)
+    # A forward from embeddings carries no token ids to probe with.
+    embeds = model.get_input_embeddings()(batch["input_ids"])
+    model(inputs_embeds=embeds, labels=batch["labels"]).loss.backward()
+    with pytest.raises(RuntimeError, match="set_probe_contexts"):
+        opt.step()
+
+
+# ------------------------------------------------------------------------------------------------
+# Predictions
+
+
+def test_jvp_and_finite_difference_probes_agree(fitted_model):
+    base, batch = fitted_model
+    model = patch_model(copy.deepcopy(base))
+    opt = LoGRAOptimizer(model, rank=16, kl_budget=1e-4, direction="sgd", wire_dtype=None)
+    model(**batch).loss.backward()
+    targets = [t.state for t in opt.targets]
+    factors = [t.sketch * 1e-1 for t in targets]
+    contexts = opt._probe_contexts()
+    weights = [p.clone() for p in model.parameters()]
+    q_jvp, n_jvp, _ = jvp_predicted_kl(model, targets, factors, contexts)
+    q_fd, n_fd, _ = finite_difference_predicted_kl(model, targets, factors, contexts, epsilon=1e-2)
+    assert n_jvp == n_fd == contexts.tokens
+    assert float(q_fd) == pytest.approx(float(q_jvp), rel=2e-2)
+    # The probes never touch the weights and leave the model in train mode.
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+    assert model.training and all(m.training for m in model.modules())
+    assert all(t.probe_factor is None for t in targets)
+
+
+def test_chunked_lm_head_probe_equals_the_full_logits_probe(fitted_model, monkeypatch):
+    """Without a realised-KL check the JVP probe applies the LM head a few positions at a time
+    (no ``positions × vocabulary`` logits); it must predict the same KL as the full-logits path."""
+    import logra_optim.probe as probe
+
+    base, batch = fitted_model
+    model = patch_model(copy.deepcopy(base))
+    opt = LoGRAOptimizer(model, rank=16, kl_budget=1e-4, direction="sgd", wire_dtype=None)
+    model(**batch).loss.backward()
+    targets = [t.state for t in opt.targets]
+    factors = [t.sketch * 1e-1 for t in targets]
+    contexts = opt._probe_contexts()
+    assert probe._decoder_and_head(model) is not None, "the test model must take the chunked path"
+    q_full, n_full, logits = jvp_predicted_kl(model, targets, factors, contexts, keep_base=True)
+    monkeypatch.setattr(probe, "HEAD_CHUNK_POSITIONS", 3)  # several chunks, a ragged last one
+    q_chunked, n_chunked, none = jvp_predicted_kl(model, targets, factors, contexts, keep_base=False)
+    assert logits is not None and none is None
+    assert n_chunked == n_full == contexts.tokens and n_full > 3
+    assert float(q_chunked) == pytest.approx(float(q_full), rel=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# Training setups and precision
+
+
+@pytest.mark.parametrize("setting", ["sdpa", "checkpointing", "autocast", "bf16"])
+def test_probe_works_in_common_training_setups(fitted_model, setting):
+    base, batch = fitted_model
+    model = copy.deepcopy(base)
+    if setting == "checkpointing":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if setting == "bf16":
+        model = model.to(torch.bfloat16)
+    model.train()
+    patch_model(model)
+    opt = LoGRAOptimizer(model, rank=16, kl_budget=1e-4, update_ratio=5e-3, alpha_max=100.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=setting == "autocast"):
+        model(**batch).loss.backward()
+    opt.step()
+    stats = opt.stats
+    assert stats["predicted_kl"] > 0 and stats["predicted_step_kl"] == pytest.approx(1e-4)
+    assert stats["probe_tokens"] == 2 * 15
+    assert model.config._attn_implementation == "sdpa" and model.training
+
+
+def test_probe_inside_autocast_matches_fp32(fitted_model):
+    base, batch = fitted_model
+    predicted = []
+    for autocast in (False, True):
+        model = patch_model(copy.deepcopy(base))
+        opt = LoGRAOptimizer(model, rank=16, kl_budget=1e-4, update_ratio=5e-3, alpha_max=100.0, wire_dtype=None)
+        model(**batch).loss.backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            opt.step()
+        predicted.append(opt.stats["predicted_kl"])
+    # bf16 activations in the probe forward: a few percent, not the orders of magnitude a lost
+    # low-rank tangent (rounded to bf16 before it is added) would give.
+    assert predicted[1] == pytest.approx(predicted[0], rel=0.1)
+
+
+def test_finite_difference_probe_on_bf16_weights_warns():
+    model = patch_model(tiny_qwen2(dtype=torch.bfloat16))
+    with pytest.warns(UserWarning, match="16-bit target weights"):
+        LoGRAOptimizer(model, rank=4, kl_budget=1e-3, probe="finite_difference")
