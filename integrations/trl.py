@@ -159,6 +159,12 @@ def attach_logra(
         raise ValueError(
             f"attach_logra: vllm_sync must be 'compressed', 'full' or a dict of VLLMSync options, got {vllm_sync!r}"
         )
+    if trainer.args.fp16 or _deepspeed_fp16(trainer):
+        raise ValueError(
+            "attach_logra: fp16 mixed precision is not supported: loss scaling multiplies LoGRA's sketches, which "
+            "are not .grad, so no scaler can unscale them or detect their overflow. Use bf16=True (bf16 autocast "
+            "with fp32 master weights needs no loss scaling)"
+        )
     if trainer.optimizer is not None:
         raise RuntimeError(
             "attach_logra: the trainer already has an optimizer (passed through optimizers=(...) or already "
@@ -314,6 +320,13 @@ def _attach_beside_deepspeed(trainer: Trainer, callback: LoGRACallback, optimize
 
     trainer._save_optimizer_and_scheduler = save_with_logra
     trainer._load_optimizer_and_scheduler = load_with_logra
+
+
+def _deepspeed_fp16(trainer: Trainer) -> bool:
+    plugin = getattr(getattr(trainer, "accelerator", None), "state", None)
+    plugin = getattr(plugin, "deepspeed_plugin", None)
+    config = getattr(plugin, "deepspeed_config", None) or {}
+    return bool(config.get("fp16", {}).get("enabled") is True)
 
 
 def _unwrap(model):

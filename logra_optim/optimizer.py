@@ -100,6 +100,11 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             collective calls.
     """
 
+    # torch.amp.GradScaler then hands step() its scale instead of unscaling ``.grad`` itself: the
+    # sketches are not ``.grad``, so the scaler could neither unscale them nor see an overflow.
+    # step() refuses loss scaling with an error rather than letting a scaled update through.
+    _step_supports_amp_scaling = True
+
     def __init__(
         self,
         model: nn.Module,
@@ -314,6 +319,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         weights and optimizer state stay untouched, a warning is issued and a counter in ``stats``
         records it.
         """
+        self._refuse_loss_scaling()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -354,6 +360,16 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         for hook in list(self._merge_hooks.values()) if update is not None else ():
             hook(self, update)  # last: the step is complete whatever a hook does
         return loss
+
+    def _refuse_loss_scaling(self) -> None:
+        if not hasattr(self, "found_inf"):  # set by GradScaler.step for the duration of the call
+            return
+        del self.found_inf, self.grad_scale
+        raise RuntimeError(
+            "LoGRAOptimizer does not support fp16 loss scaling (torch.amp.GradScaler, Trainer/accelerate fp16=True): "
+            "its sketches are not .grad, so the scaler can neither unscale them nor detect their overflow. Train "
+            "with bf16 autocast (Trainer bf16=True) and fp32 master weights, which need no loss scaling"
+        )
 
     def _plan(self, sharded_sq: float | None) -> StepPlan:
         """Directions and ``η``; mutates nothing. ``sharded_sq``: ``Σ‖W‖²`` of the sharded weights,

@@ -77,3 +77,30 @@ def test_realised_kl_check_stays_on_budget_under_bf16_wrapper(bf16_accelerator):
         opt.zero_grad()
         assert "skipped" not in opt.stats
         assert opt.stats["realised_kl"] == pytest.approx(budget, rel=0.25)
+
+
+def test_fp16_grad_scaler_is_refused_with_the_weights_untouched():
+    model = patch_model(tiny_qwen2(seed=6))
+    opt = LoGRAOptimizer(model, rank=4, update_ratio=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    model.train()
+    scaler.scale(model(**fixed_batch()).loss).backward()
+    with pytest.raises(RuntimeError, match="does not support fp16 loss scaling"):
+        scaler.step(opt)
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+    assert opt.update_index == 0
+    opt.zero_grad()
+    model(**fixed_batch()).loss.backward()
+    opt.step()  # without a scaler the optimizer works as before
+    assert opt.update_index == 1
+
+
+def test_attach_logra_refuses_fp16(tmp_path):
+    pytest.importorskip("trl")
+    from logra_optim.integrations.trl import attach_logra
+    from tests.helpers import trl_setup as setup
+
+    trainer = setup.build_trainer("grpo", setup.build_policy(), tmp_path, fp16=True)
+    with pytest.raises(ValueError, match="fp16 mixed precision is not supported.*bf16=True"):
+        attach_logra(trainer, **setup.LOGRA_KWARGS)
