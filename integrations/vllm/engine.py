@@ -1,0 +1,358 @@
+"""The engine side of the vLLM sync: runs inside every vLLM worker process.
+
+vLLM imports :class:`LoGRAWorkerExtension` by its dotted path, :data:`EXTENSION`
+(``LLM(..., worker_extension_cls=EXTENSION)``, or ``--worker-extension-cls`` for a server), in each
+worker; so this module imports only what applying an update needs, never the trainer side. Each
+worker keeps one :class:`EngineUpdater`, which regenerates every target's ``A`` from the seed and
+applies ``W ← W − F A`` (METHOD.md §4). How depends on where the engine's weights live:
+
+* **in place** (CUDA, unquantized): each target's rows of the loaded, possibly fused and
+  tensor-parallel, parameter are updated directly, as its :class:`~.placement.Placement` says.
+* **reload** (the CPU backend, which prepacks linears and leaves ``layer.weight`` empty; quantized
+  layers): the updater keeps checkpoint-format shadow copies (fp32 by default) of every linear
+  layer's tensors, updates those, and hands whole fused groups to vLLM's ``reload_weights``. fp32
+  shadows mean the engine's bf16 weights are re-rounded from an exact copy each time, so rounding
+  does not accumulate.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+
+from logra_optim.projection import projection_seed
+from logra_optim.sync import PayloadError, SyncPayload, checksum_probe, projection_of, weight_checksum
+from logra_optim.updates import merge_low_rank_
+
+from . import wire
+from .placement import Placement, column_parallel_placements, row_parallel_placement
+
+__all__ = ["EXTENSION", "EngineUpdater", "LoGRAWorkerExtension", "engine_placements"]
+
+# What vLLM imports in its workers: must name the class below (a test resolves it).
+EXTENSION = "logra_optim.integrations.vllm.engine.LoGRAWorkerExtension"
+
+
+def engine_placements(model: nn.Module) -> dict[str, Placement]:
+    """Every linear weight of a vLLM model by its HF checkpoint name (``…q_proj.weight``)."""
+    from vllm.model_executor.layers.linear import (
+        LinearBase,
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        RowParallelLinear,
+    )
+
+    packed = getattr(model, "packed_modules_mapping", {}) or {}
+    placements: dict[str, Placement] = {}
+    for name, layer in model.named_modules():
+        if not isinstance(layer, LinearBase):
+            continue
+        prefix, _, short = name.rpartition(".")
+        members = [f"{prefix}.{m}.weight" if prefix else f"{m}.weight" for m in packed.get(short, [short])]
+        tp_rank, tp_size = getattr(layer, "tp_rank", 0), getattr(layer, "tp_size", 1)
+        if isinstance(layer, RowParallelLinear):
+            placements[members[0]] = row_parallel_placement(
+                name, layer.output_size, layer.input_size_per_partition, tp_rank, tp_size
+            )
+            continue
+        if isinstance(layer, QKVParallelLinear):
+            local = [
+                layer.num_heads * layer.head_size,
+                layer.num_kv_heads * layer.head_size,
+                layer.num_kv_heads * layer.v_head_size,
+            ]
+            kv_shard = tp_rank // layer.num_kv_head_replicas
+            shards = [tp_rank, kv_shard, kv_shard]
+            full = [
+                layer.total_num_heads * layer.head_size,
+                layer.total_num_kv_heads * layer.head_size,
+                layer.total_num_kv_heads * layer.v_head_size,
+            ]
+        elif isinstance(layer, MergedColumnParallelLinear):
+            full = list(layer.output_sizes)
+            local, shards = [size // tp_size for size in full], [tp_rank] * len(full)
+        else:  # plain column-parallel or replicated
+            full = [layer.output_size]
+            local = list(getattr(layer, "output_partition_sizes", full))[:1]
+            shards = [tp_rank if local[0] != full[0] else 0]
+        placements.update(column_parallel_placements(name, members, full, local, shards, layer.input_size))
+    return placements
+
+
+def _named_tensors(weights) -> list[tuple[str, torch.Tensor]]:
+    """Checkpoint tensors however they were sent: wire bytes or text of a dict, a dict, or pairs."""
+    if isinstance(weights, (bytes, str)):
+        weights = wire.load(weights)
+    return list(weights.items()) if isinstance(weights, dict) else list(weights)
+
+
+@contextmanager
+def _quiet_reload_logs():
+    """A partial reload logs "Failed to load weights" for every layer it leaves alone (and puts back)."""
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+class EngineUpdater:
+    """The engine side of the sync, one per vLLM worker (kept on the worker, see :func:`_updater`).
+
+    ``state``: the update index the weights are at (``None`` until the first full sync, and after a
+    failed reload), the mode and, in reload mode, the shadow copies. Every public method returns
+    plain JSON-able values, so the server's RPC endpoint can carry them.
+    """
+
+    def __init__(self, worker):
+        self.worker, self.model_runner = worker, worker.model_runner
+        self._state = None
+
+    def _engine_state(self) -> dict:
+        """Built on first use, once the worker has loaded its model."""
+        state = self._state
+        if state is None:
+            from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+            model = self.model_runner.model
+            placements = engine_placements(model)
+            layers = self._layers()
+            # In place only where every linear holds its plain (unpacked, unquantized) weight shard.
+            inplace = all(
+                layers[p.module].weight.dim() == 2
+                and layers[p.module].weight.numel() > 0
+                and isinstance(getattr(layers[p.module], "quant_method", None), UnquantizedLinearMethod)
+                for p in placements.values()
+            )
+            state = {
+                "index": None,
+                "mode": "inplace" if inplace else "reload",
+                "placements": placements,
+                "linear_modules": {p.module for p in placements.values()},
+                "packed": getattr(model, "packed_modules_mapping", {}) or {},
+                "shadows": {},
+                "shadow_dtype": torch.float32,
+            }
+            self._state = state
+        return state
+
+    def _layers(self) -> dict[str, nn.Module]:
+        return dict(self.model_runner.model.named_modules())
+
+    def _linear_module_of(self, name: str) -> str | None:
+        """The engine linear module a checkpoint tensor loads into (fused groups: the fused one)."""
+        state = self._engine_state()
+        module_path, _, _ = name.rpartition(".")
+        prefix, _, short = module_path.rpartition(".")
+        short = next((fused for fused, members in state["packed"].items() if short in members), short)
+        fused_name = f"{prefix}.{short}" if prefix else short
+        return fused_name if fused_name in state["linear_modules"] else None
+
+    def _reload(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        with _quiet_reload_logs():
+            self.worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+
+    def _reload_with_groups(self, new: dict[str, torch.Tensor]) -> None:
+        """Reload ``new`` and, for every linear layer it touches, the layer's other tensors from the
+        shadows: vLLM reprocesses a layer from what it is given, and a fused layer given only some
+        of its tensors (``q_proj.bias`` alone) would keep uninitialised memory for the rest. Then
+        the shadows take the new values. On failure the engine's index is dropped (it may hold part
+        of the change; only a full sync can tell)."""
+        state = self._engine_state()
+        touched = {self._linear_module_of(name) for name in new} - {None}
+        group = dict(new)
+        for name, shadow in state["shadows"].items():
+            if name not in group and self._linear_module_of(name) in touched:
+                group[name] = shadow
+        try:
+            self._reload(list(group.items()))
+        except BaseException:
+            state["index"] = None
+            raise
+        for name, tensor in new.items():
+            if self._linear_module_of(name) is not None:
+                state["shadows"][name] = tensor.detach().to("cpu", state["shadow_dtype"], copy=True)
+
+    def _load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Checkpoint-format tensors into the engine: through the shadows in reload mode."""
+        if self._engine_state()["mode"] == "reload":
+            self._reload_with_groups(dict(weights))
+        else:
+            self.model_runner.model.load_weights(weights)
+
+    def full_sync(self, weights, update_index: int | str, shadow_dtype: str = "float32") -> dict:
+        """Load full checkpoint-format weights (all of the model, or a subset) and mark the engine as
+        being at ``update_index``. In reload mode, keep shadows of every linear layer's tensors."""
+        state = self._engine_state()
+        weights = _named_tensors(weights)
+        started = time.perf_counter()
+        state["index"] = None  # until the load has succeeded
+        if state["mode"] == "reload":
+            state["shadow_dtype"] = wire.dtype(shadow_dtype)
+        self._load_weights(weights)
+        state["index"] = int(update_index)
+        return {"index": state["index"], "mode": state["mode"], "seconds": time.perf_counter() - started}
+
+    def load(self, weights) -> dict:
+        """Load some checkpoint-format tensors (e.g. trainable non-targets) without touching the index.
+        In reload mode a linear layer's tensors also replace its shadows; send whole fused groups."""
+        state = self._engine_state()
+        if state["index"] is None:
+            raise RuntimeError("LoGRA sync: the engine has no synced weights yet; run a full sync first")
+        weights = _named_tensors(weights)
+        self._load_weights(weights)
+        return {"index": state["index"], "tensors": len(weights)}
+
+    def _check(self, payload: SyncPayload) -> None:
+        """Everything that can go wrong, checked before any weight changes."""
+        state = self._engine_state()
+        if state["index"] is None:
+            raise PayloadError("LoGRA sync: the engine has no synced base weights; run a full sync first")
+        if payload.first_index != state["index"] + 1:
+            raise PayloadError(
+                f"LoGRA sync: payload starts at update {payload.first_index} but the engine is at update "
+                f"{state['index']} (expected {state['index'] + 1}); an update was skipped or repeated, run a full sync"
+            )
+        placements = state["placements"]
+        for update in payload.updates:
+            for target in update.targets:
+                placement = placements.get(target.name)
+                if placement is None:
+                    known = ", ".join(sorted(placements)[:4])
+                    raise PayloadError(
+                        f"LoGRA sync: update {update.index} names {target.name!r}, which is not a linear weight of "
+                        f"this engine (e.g. {known} …)"
+                    )
+                if (target.out_features, target.in_features) != (placement.out_features, placement.in_features):
+                    raise PayloadError(
+                        f"LoGRA sync: update {update.index}, {target.name!r}: the payload is for a "
+                        f"{target.out_features}×{target.in_features} matrix, the engine's is "
+                        f"{placement.out_features}×{placement.in_features}"
+                    )
+                if state["mode"] == "reload" and target.name not in state["shadows"]:
+                    raise PayloadError(f"LoGRA sync: no shadow copy of {target.name!r}; the full sync did not send it")
+
+    def apply(self, payload) -> dict:
+        """Apply a :class:`SyncPayload` (bytes, or base64 over the server's RPC): ``W ← W − F A`` per
+        target and update, in order. A bad payload raises :class:`PayloadError` and changes nothing."""
+        started = time.perf_counter()
+        payload = SyncPayload.decode(wire.from_wire(payload)) if isinstance(payload, (bytes, str)) else payload
+        self._check(payload)
+        state = self._engine_state()
+        try:
+            if state["mode"] == "reload":
+                self._apply_to_shadows(payload)
+            else:
+                self._apply_in_place(payload)
+        except BaseException:
+            state["index"] = None  # possibly half applied: only a full sync can tell
+            raise
+        state["index"] = payload.last_index
+        return {"index": state["index"], "mode": state["mode"], "seconds": time.perf_counter() - started}
+
+    def _apply_to_shadows(self, payload: SyncPayload) -> None:
+        state = self._engine_state()
+        staged: dict[str, torch.Tensor] = {}
+        for update in payload.updates:
+            for target in update.targets:
+                if target.name not in staged:
+                    staged[target.name] = state["shadows"][target.name].clone()
+                merge_low_rank_(
+                    staged[target.name], target.factor, projection_of(payload, target), stochastic_rounding=False
+                )
+        self._reload_with_groups(staged)
+
+    def _apply_in_place(self, payload: SyncPayload) -> None:
+        state = self._engine_state()
+        layers = self._layers()
+        for update in payload.updates:
+            for target in update.targets:
+                placement = state["placements"][target.name]
+                weight = layers[placement.module].weight.data
+                projection = projection_of(payload, target, device=weight.device)[:, placement.projection_cols]
+                factor = target.factor.to(weight.device)[placement.factor_rows]
+                merge_low_rank_(weight[placement.param_rows], factor, projection, stochastic_rounding=False)
+
+    @torch.no_grad()
+    def checksums(self, names: str, seed: int | str) -> str:
+        """Checksums ``W p`` of the requested HF matrices (a JSON list), as :func:`.wire.dump` of
+        ``{"tp_size", "copy_dtype", "served_dtype", name: (row start, copy, served, partial)}``.
+
+        ``copy``: float64 ``W p`` of the engine's own copy (the shadow in reload mode, the loaded
+        rows in place), exact. ``served``: ``W p`` through the layer's forward kernel (its prepacked
+        or quantized weights: what generation uses), in the engine's dtype, so it also catches a
+        load that went wrong. ``partial``: a row-parallel rank's share, summed over the ranks."""
+        state = self._engine_state()
+        names, seed = json.loads(names), int(seed)
+        layers = self._layers()
+        dtype = self.worker.model_config.dtype
+        result = {"tp_size": 1, "copy_dtype": str(state["shadow_dtype"]), "served_dtype": str(dtype)}
+        for name in names:
+            placement = state["placements"].get(name)
+            if placement is None:
+                raise PayloadError(f"LoGRA sync: {name!r} is not a linear weight of this engine")
+            layer = layers[placement.module]
+            result["tp_size"] = getattr(layer, "tp_size", 1)
+            probe = checksum_probe(projection_seed(seed, 0, name), placement.in_features)[placement.projection_cols]
+            if state["mode"] == "reload":
+                copy = weight_checksum(state["shadows"][name], probe)
+            else:
+                weight = layer.weight.data[placement.param_rows]
+                result["copy_dtype"] = str(weight.dtype)
+                copy = weight_checksum(weight, probe).cpu()
+            x = probe.to(device=layer.weight.device, dtype=dtype)
+            served = layer.quant_method.apply(layer, x[None], bias=None)[0, placement.param_rows]
+            partial = placement.projection_cols != slice(0, placement.in_features)
+            result[name] = (placement.factor_rows.start, copy, served.double().cpu(), partial)
+        return wire.dump(result)
+
+    def status(self) -> dict:
+        state = self._engine_state()
+        shadow_bytes = sum(t.numel() * t.element_size() for t in state["shadows"].values())
+        return {
+            "index": state["index"],
+            "mode": state["mode"],
+            "shadow_bytes": shadow_bytes,
+            "targets": len(state["placements"]),
+            "dtype": str(self.worker.model_config.dtype),
+        }
+
+
+def _updater(worker) -> EngineUpdater:
+    """The worker's :class:`EngineUpdater`. ``collective_rpc`` hands a callable either the worker or
+    its wrapper (which forwards attribute reads to it); the updater is always kept on the worker."""
+    worker = getattr(worker, "worker", None) or worker
+    updater = getattr(worker, "_logra_updater", None)
+    if updater is None:
+        updater = EngineUpdater(worker)
+        worker._logra_updater = updater
+    return updater
+
+
+class LoGRAWorkerExtension:
+    """Methods added to every vLLM worker by ``worker_extension_cls``; call them by name with
+    ``collective_rpc("logra_apply", args=(payload,))`` etc. An engine in this process without the
+    extension runs the same functions passed as callables (``collective_rpc`` gives them the worker,
+    or its wrapper, as ``self``; :func:`_updater` accepts both)."""
+
+    def logra_full_sync(self, weights, update_index, shadow_dtype="float32") -> dict:
+        return _updater(self).full_sync(weights, update_index, shadow_dtype)
+
+    def logra_load(self, weights) -> dict:
+        return _updater(self).load(weights)
+
+    def logra_apply(self, payload) -> dict:
+        return _updater(self).apply(payload)
+
+    def logra_checksums(self, names, seed) -> str:
+        return _updater(self).checksums(names, seed)
+
+    def logra_status(self) -> dict:
+        return _updater(self).status()

@@ -1,0 +1,73 @@
+"""Where a checkpoint matrix lives on one vLLM engine rank: pure geometry, no vLLM needed.
+
+LoGRA updates a Hugging Face matrix ``W`` (``out_features × in_features``) by ``W ← W − F A``. An
+engine rank does not hold ``W`` as such: vLLM stacks ``q/k/v_proj`` into one ``qkv_proj`` and
+``gate/up_proj`` into one ``gate_up_proj``, and tensor parallelism gives each rank a slice. A
+column-parallel layer holds a block of ``W``'s rows (so the rank needs its rows of ``F``); a
+row-parallel one (``o_proj``, ``down_proj``) holds a block of its columns (its columns of ``A``).
+A :class:`Placement` records which block, so the engine can apply its share of an update without
+ever forming ``F A`` for the whole matrix. These functions take plain sizes, so the geometry can be
+checked against a dense reference without starting an engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the HF matrix ``name`` (``out_features × in_features``) lives on one engine rank.
+
+    ``W_local[param_rows, :] ↔ W[factor_rows, projection_cols]``: the rank's update is
+    ``W_local[param_rows] −= F[factor_rows] · A[:, projection_cols]``.
+    """
+
+    module: str
+    out_features: int
+    in_features: int
+    factor_rows: slice
+    param_rows: slice
+    projection_cols: slice
+
+
+def column_parallel_placements(
+    module: str,
+    members: list[str],
+    out_features: list[int],
+    local_sizes: list[int],
+    shard_ranks: list[int],
+    in_features: int,
+) -> dict[str, Placement]:
+    """Placements of the members of a (fused) column-parallel layer on one rank.
+
+    Member ``i`` is an ``out_features[i] × in_features`` HF matrix. The local parameter stacks the
+    members' local row blocks in order; member ``i`` holds rows
+    ``[shard_ranks[i]·local_sizes[i], (shard_ranks[i]+1)·local_sizes[i])`` of its HF matrix. vLLM
+    uses ``shard_rank = tp_rank`` except for the k/v blocks of ``qkv_proj`` when KV heads are
+    replicated (``tp_rank // replicas``).
+    """
+    placements, offset = {}, 0
+    for member, rows, size, shard in zip(members, out_features, local_sizes, shard_ranks):
+        placements[member] = Placement(
+            module=module,
+            out_features=rows,
+            in_features=in_features,
+            factor_rows=slice(shard * size, (shard + 1) * size),
+            param_rows=slice(offset, offset + size),
+            projection_cols=slice(0, in_features),
+        )
+        offset += size
+    return placements
+
+
+def row_parallel_placement(module: str, out_features: int, in_per_rank: int, tp_rank: int, tp_size: int) -> Placement:
+    """A row-parallel layer (input dim split): all rows, this rank's columns of ``A``."""
+    return Placement(
+        module=module,
+        out_features=out_features,
+        in_features=in_per_rank * tp_size,
+        factor_rows=slice(0, out_features),
+        param_rows=slice(0, out_features),
+        projection_cols=slice(tp_rank * in_per_rank, (tp_rank + 1) * in_per_rank),
+    )

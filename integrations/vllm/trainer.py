@@ -1,0 +1,290 @@
+"""The trainer side of the vLLM sync: runs beside the optimizer, in the trainer process.
+
+:class:`VLLMSync` records what the optimizer merges (an :class:`~logra_optim.sync.UpdateRecorder`),
+sends it to the engine's workers as a :class:`~logra_optim.sync.SyncPayload` and watches the drift
+between the two copies, falling back to full weights when that is smaller or safer. It reaches the
+workers through one of two transports with the same three methods (``call``, ``wire``,
+``wire_weights``): :class:`_Colocated` for an ``LLM`` object of this process, :class:`_Server` for
+a vLLM OpenAI server. Everything it needs from the optimizer comes from its public read-only view:
+``optimizer.model`` and ``optimizer.targets``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import urllib.error
+import urllib.request
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from logra_optim.distributed import REPLICATED
+from logra_optim.projection import canonical_name, projection_seed
+from logra_optim.sync import UpdateRecorder, checksum_probe, relative_drift, to_bytes, weight_checksum
+
+from . import wire
+from .engine import EXTENSION, LoGRAWorkerExtension
+
+__all__ = ["VLLMSync"]
+
+
+def _cpu_copies(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """Detached CPU copies: a gathering iterator (ZeRO-3, FSDP) frees a parameter's full data after
+    yielding it."""
+    return [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in named_tensors]
+
+
+class _Colocated:
+    """An ``LLM`` object of this process; its engine may run here or in a process of its own."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        extension = llm.llm_engine.vllm_config.parallel_config.worker_extension_cls or ""
+        # By name when the workers have the extension (works across processes); otherwise the
+        # functions themselves, which vLLM runs only in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0,
+        # TRL's colocate mode) unless VLLM_ALLOW_INSECURE_SERIALIZATION=1 lets it pickle them.
+        self.by_name = extension == EXTENSION
+
+    def call(self, method: str, *args) -> list:
+        return self.llm.collective_rpc(method if self.by_name else getattr(LoGRAWorkerExtension, method), args=args)
+
+    def wire(self, data: bytes):
+        return data
+
+    def wire_weights(self, weights: list[tuple[str, torch.Tensor]]) -> tuple[Any, int]:
+        if self.by_name:  # possibly another process (vLLM's default): its RPC carries bytes, not tensors
+            data = to_bytes(dict(weights))
+            return data, len(data)
+        return weights, sum(t.numel() * t.element_size() for _, t in weights)
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+
+class _Server:
+    """A vLLM OpenAI server started with ``--worker-extension-cls`` and ``VLLM_SERVER_DEV_MODE=1``."""
+
+    def __init__(self, url: str, timeout: float = 600.0):
+        self.url, self.timeout = url.rstrip("/"), timeout
+
+    def _post(self, path: str, body: dict | None = None):
+        request = urllib.request.Request(
+            self.url + path,
+            data=json.dumps(body or {}).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                text = response.read().decode()
+        except urllib.error.HTTPError as error:
+            detail = error.read().decode()[:2000]
+            raise RuntimeError(f"vLLM server {self.url}{path}: HTTP {error.code}: {detail}") from error
+        return json.loads(text) if text else None
+
+    def call(self, method: str, *args) -> list:
+        return self._post("/collective_rpc", {"method": method, "args": [str(a) for a in args]})["results"]
+
+    def wire(self, data: bytes) -> str:
+        return wire.to_wire(data)
+
+    def wire_weights(self, weights: list[tuple[str, torch.Tensor]]) -> tuple[str, int]:
+        data = wire.dump(dict(weights))
+        return data, len(data)
+
+    def reset_prefix_cache(self) -> None:
+        self._post("/reset_prefix_cache")
+
+
+class VLLMSync:
+    """Keeps a vLLM engine's weights equal to the trainer's, sending ``(F, seed)`` per update.
+
+    Args:
+        optimizer: the :class:`~logra_optim.LoGRAOptimizer` whose updates are sent.
+        engine: an ``LLM`` (colocated), or the base URL of a vLLM server started with
+            ``--worker-extension-cls`` and ``VLLM_SERVER_DEV_MODE=1``. An ``LLM`` whose engine runs
+            in its own process (vLLM's default) needs ``worker_extension_cls=EXTENSION``; one
+            running in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, TRL's colocate mode)
+            works without it.
+        named_parameters: ``() -> iterable of (checkpoint name, tensor)`` giving the full weights
+            for a full sync (default: the optimizer's model, wrapper prefixes stripped). Under
+            FSDP/ZeRO-3 pass one that gathers them (TRL's does).
+        check_every: compare engine and trainer checksums every this many compressed syncs (0: never).
+        drift_bound: a relative weight difference above this triggers a full sync.
+        full_every: a full sync every this many syncs regardless (``None``: only when needed).
+        shadow_dtype: dtype of the engine's shadow copies in reload mode.
+        log: ``f(dict)`` called after every sync with its statistics (kind, bytes, seconds, drift).
+
+    Call :meth:`sync` whenever the engine must catch up (before generating). The first call, a call
+    after :meth:`mark_weights_discarded` (vLLM sleep level 2), every ``full_every``-th call and any
+    call after a drift check failed send full weights; the others send the pending payload, or full
+    weights when those would be smaller (many updates since the last sync).
+    """
+
+    def __init__(
+        self,
+        optimizer,
+        engine,
+        *,
+        named_parameters: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None,
+        check_every: int = 10,
+        drift_bound: float = 1e-3,
+        full_every: int | None = None,
+        shadow_dtype: torch.dtype = torch.float32,
+        log: Callable[[dict], None] | None = None,
+    ):
+        if not isinstance(check_every, int) or check_every < 0:
+            raise ValueError(f"check_every must be a non-negative integer, got {check_every!r}")
+        if full_every is not None and (not isinstance(full_every, int) or full_every < 1):
+            raise ValueError(f"full_every must be a positive integer or None, got {full_every!r}")
+        if not drift_bound > 0:
+            raise ValueError(f"drift_bound must be positive, got {drift_bound!r}")
+        if check_every and any(target.layout.kind != REPLICATED for target in optimizer.targets):
+            warnings.warn(
+                "VLLMSync: the trainer's target weights are sharded (FSDP2/ZeRO-3); the drift check "
+                "needs whole weights and is off (check_every=0)",
+                stacklevel=2,
+            )
+            check_every = 0
+        self.optimizer = optimizer
+        self.engine = _Server(engine) if isinstance(engine, str) else _Colocated(engine)
+        self.named_parameters = named_parameters or self._model_parameters
+        self.check_every, self.drift_bound, self.full_every = check_every, drift_bound, full_every
+        self.shadow_dtype = str(shadow_dtype).removeprefix("torch.")
+        self.log = log
+        self.recorder = UpdateRecorder(optimizer)
+        self.needs_full = True
+        self.syncs = 0
+        self.compressed_since_check = 0
+        self.stats: dict[str, Any] = {}
+        self.history: list[dict] = []
+        model = optimizer.model
+        targets = {id(target.weight) for target in optimizer.targets}
+        self._non_targets = [
+            (canonical_name(n), p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in targets
+        ]
+        # What a full sync sends (every parameter, whole, as held): more pending update bytes → full.
+        self._full_bytes = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in model.parameters())
+
+    def _model_parameters(self):
+        """The default ``named_parameters``: the optimizer's model under checkpoint names."""
+        for name, parameter in self.optimizer.model.named_parameters():
+            yield canonical_name(name), parameter.detach()
+
+    def mark_weights_discarded(self) -> None:
+        """The engine dropped its weights (``LLM.sleep(level=2)``): the next sync is a full one."""
+        self.needs_full = True
+
+    def close(self) -> None:
+        self.recorder.close()
+
+    def full_sync(self) -> dict:
+        """Send every parameter; the engine is then at the optimizer's current update index."""
+        started = time.perf_counter()
+        data, sent = self.engine.wire_weights(_cpu_copies(self.named_parameters()))
+        self.needs_full = True  # until the engine has confirmed
+        result = self.engine.call("logra_full_sync", data, self.optimizer.update_index, self.shadow_dtype)
+        self.recorder.clear()
+        self.needs_full = False
+        self.compressed_since_check = 0
+        return self._finish("full", sent, started, result[0]["seconds"])
+
+    def sync(self) -> dict:
+        """Bring the engine to the optimizer's current update (see the class docstring)."""
+        self.syncs += 1
+        if self.needs_full or (self.full_every is not None and self.syncs % self.full_every == 0):
+            return self._logged(self.full_sync())
+        if self.recorder.pending_bytes > self._full_bytes:
+            return self._logged(self.full_sync())  # many updates since the last sync: full weights are smaller
+        started = time.perf_counter()
+        payload = self.recorder.drain()
+        sent, engine_seconds = 0, 0.0
+        self.needs_full = True  # until the engine has confirmed: a failed sync loses the drained updates
+        if payload is not None:
+            data = self.engine.wire(payload.encode())
+            engine_seconds = self.engine.call("logra_apply", data)[0]["seconds"]
+            sent += len(data)
+        if self._non_targets:  # trainable non-targets (e.g. norms) are sent whole
+            data, size = self.engine.wire_weights(_cpu_copies(self._non_targets))
+            self.engine.call("logra_load", data)
+            sent += size
+        self.needs_full = False
+        stats = self._finish("compressed", sent, started, engine_seconds)
+        self.compressed_since_check += 1
+        if self.check_every and self.compressed_since_check >= self.check_every:
+            self.compressed_since_check = 0
+            measured = self.drift()
+            stats.update(measured)
+            if measured["drift"] > self.drift_bound or measured["served_drift"] > measured["served_bound"]:
+                warnings.warn(
+                    f"LoGRA sync: engine drift {measured} exceeds the bound; full sync", RuntimeWarning, stacklevel=2
+                )
+                stats = {**self.full_sync(), **{key + "_before": value for key, value in measured.items()}}
+        return self._logged(stats)
+
+    def _logged(self, stats: dict) -> dict:
+        if self.log is not None:
+            self.log(stats)
+        return stats
+
+    @torch.no_grad()
+    def drift(self, seed: int | None = None) -> dict[str, float]:
+        """Largest relative difference ``‖W_engine − W_trainer‖/‖W‖`` over the targets, estimated from
+        one random matrix-vector product per target on each side (:func:`~logra_optim.sync.weight_checksum`):
+
+        * ``drift``: the engine's own copy (fp32 shadows; in place: its loaded weights) against the
+          trainer's weights rounded to that copy's dtype, so a bf16 engine's storage rounding cancels
+          and what remains is what its merges lost or got wrong;
+        * ``served_drift``: what the forward kernel computes with (prepacked weights included)
+          against the trainer's weights, in the engine dtype. It catches a bad load but resolves only
+          down to that dtype's rounding, so its bound is ``served_bound = max(drift_bound,
+          4·eps(engine dtype))``.
+
+        NaN when the engine runs tensor-parallel and only this process's rank answered (TRL's
+        ``external_launcher``): a partial comparison would be meaningless."""
+        seed = self.syncs if seed is None else seed
+        targets = self.optimizer.targets
+        names = json.dumps([target.parameter_name for target in targets])
+        results = [wire.load(r) for r in self.engine.call("logra_checksums", names, seed)]
+        served_dtype, copy_dtype = wire.dtype(results[0]["served_dtype"]), wire.dtype(results[0]["copy_dtype"])
+        served_bound = max(self.drift_bound, 4 * torch.finfo(served_dtype).eps)
+        if len(results) < results[0]["tp_size"]:
+            return {"drift": math.nan, "served_drift": math.nan, "served_bound": served_bound}
+        worst = {"drift": 0.0, "served_drift": 0.0}
+        for target in targets:
+            name, weight = target.parameter_name, target.weight.detach()
+            probe = checksum_probe(projection_seed(seed, 0, name), weight.shape[1], device=weight.device)
+            trainer = {
+                "drift": weight_checksum(weight.to(copy_dtype), probe).cpu(),
+                "served_drift": weight_checksum(weight.to(served_dtype), probe).cpu(),
+            }
+            engine = {key: torch.zeros_like(value) for key, value in trainer.items()}
+            for result in results:
+                start, copy, served, partial = result[name]
+                rows = slice(start, start + copy.numel())
+                for key, local in (("drift", copy), ("served_drift", served)):
+                    if partial:
+                        engine[key][rows] += local
+                    else:
+                        engine[key][rows] = local
+            for key in worst:
+                worst[key] = max(worst[key], relative_drift(engine[key], trainer[key]))
+        return {**worst, "served_bound": served_bound}
+
+    def _finish(self, kind: str, sent: int, started: float, engine_seconds: float) -> dict:
+        """``seconds``: the whole sync as the trainer waits for it; ``engine_seconds``: the engine's
+        part (decode, regenerate ``A``, merge, reload)."""
+        self.engine.reset_prefix_cache()
+        self.stats = {
+            "kind": kind,
+            "bytes": sent,
+            "seconds": time.perf_counter() - started,
+            "engine_seconds": engine_seconds,
+            "update_index": self.optimizer.update_index,
+        }
+        self.history.append(self.stats)
+        return self.stats
