@@ -203,7 +203,7 @@ def test_save_pretrained_loads_in_plain_transformers(tiny, batch, tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------
-# Patching twice, unpatching
+# Patching twice, unpatching, copying
 
 
 def test_patching_twice_is_harmless(tiny, batch):

@@ -77,15 +77,3 @@ def sketches(model) -> dict[str, torch.Tensor]:
     from logra_optim import patched_modules
 
     return {name: module._logra.sketch.clone() for name, module in patched_modules(model)}
-
-
-def projections(model) -> dict[str, torch.Tensor]:
-    from logra_optim import patched_modules
-
-    return {name: module._logra.projection.clone() for name, module in patched_modules(model)}
-
-
-def target_weights(model) -> dict[str, torch.Tensor]:
-    from logra_optim import patched_modules
-
-    return {name: module.weight.detach().clone() for name, module in patched_modules(model)}
