@@ -104,3 +104,30 @@ def test_attach_logra_refuses_fp16(tmp_path):
     trainer = setup.build_trainer("grpo", setup.build_policy(), tmp_path, fp16=True)
     with pytest.raises(ValueError, match="fp16 mixed precision is not supported.*bf16=True"):
         attach_logra(trainer, **setup.LOGRA_KWARGS)
+
+
+@pytest.mark.parametrize("probe", ["jvp", "finite_difference"])
+def test_grpo_with_bf16_autocast_keeps_each_update_on_budget(tmp_path, probe):
+    """TRL's bf16=True on CPU: accelerate wraps the forward in bf16 autocast; a realistic step
+    (update_ratio 6e-5) is then below half a bf16 ulp of the logits."""
+    pytest.importorskip("trl")
+    from logra_optim.integrations.trl import attach_logra
+    from tests.helpers import trl_setup as setup
+
+    budget = 1e-5
+    trainer = setup.build_trainer("grpo", setup.build_policy(), tmp_path, bf16=True, max_steps=3)
+    attach_logra(
+        trainer,
+        rank=16,
+        kl_budget=budget,
+        update_ratio=6e-5,
+        alpha_max=1e4,
+        probe=probe,
+        realised_kl_check=True,
+    )
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "logra/predicted_step_kl" in entry]
+    assert len(logs) == 3
+    for entry in logs:
+        assert entry["logra/predicted_step_kl"] == pytest.approx(budget, rel=0.05)
+        assert entry["logra/realised_kl"] == pytest.approx(budget, rel=0.15)
