@@ -85,6 +85,18 @@ def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator | None 
     return rounded.view(torch.float32).to(torch.bfloat16)
 
 
+def _check_merge_shapes(weight: torch.Tensor, factor: torch.Tensor, projection: torch.Tensor) -> None:
+    if (
+        weight.dim() != 2
+        or factor.shape != (weight.shape[0], projection.shape[0])
+        or projection.shape[1] != weight.shape[1]
+    ):
+        raise ValueError(
+            f"merge shapes do not line up: weight {tuple(weight.shape)}, factor {tuple(factor.shape)}, "
+            f"projection {tuple(projection.shape)} (expected d×k, d×r, r×k)"
+        )
+
+
 def merge_low_rank_(
     weight: torch.Tensor,
     factor: torch.Tensor,
@@ -101,15 +113,7 @@ def merge_low_rank_(
     weights in row chunks through an fp32 temporary of at most ``chunk_bytes``, rounded back
     stochastically (bf16, default) or to nearest.
     """
-    if (
-        weight.dim() != 2
-        or factor.shape != (weight.shape[0], projection.shape[0])
-        or projection.shape[1] != weight.shape[1]
-    ):
-        raise ValueError(
-            f"merge shapes do not line up: weight {tuple(weight.shape)}, factor {tuple(factor.shape)}, "
-            f"projection {tuple(projection.shape)} (expected d×k, d×r, r×k)"
-        )
+    _check_merge_shapes(weight, factor, projection)
     if weight.dtype in (torch.float32, torch.float64):
         return weight.addmm_(factor.to(weight.dtype), projection.to(weight.dtype), alpha=-1.0)
     projection32 = projection.float()
@@ -121,4 +125,42 @@ def merge_low_rank_(
             weight[rows] = stochastic_round_to_bf16(updated, generator)
         else:
             weight[rows] = updated.to(weight.dtype)
+    return weight
+
+
+def merge_low_rank_compensated_(
+    weight: torch.Tensor,
+    compensation: torch.Tensor,
+    factor: torch.Tensor,
+    projection: torch.Tensor,
+    *,
+    chunk_bytes: int = MERGE_CHUNK_BYTES,
+) -> torch.Tensor:
+    """``W ← W − F A`` for a 16-bit ``W`` that must follow many tiny updates deterministically
+    (Kahan summation). Returns ``weight``.
+
+    An RL update moves a weight by ~``6e-5·α`` of itself, far below half a bf16 ulp (~``2e-3``):
+    rounded to nearest, every one of them is dropped. ``compensation`` (same shape and dtype as
+    ``W``, zeros after a full load) keeps what rounding dropped so far; each merge rounds
+    ``W + C − F A`` to ``W`` and keeps the remainder in ``C``, so ``W + C`` tracks the exact sum
+    and ``W`` stays within one rounding of it. This is for a rollout engine without fp32 master
+    weights (vLLM's in-place path); the trainer uses fp32 masters or stochastic rounding.
+    """
+    if compensation.shape != weight.shape or compensation.dtype != weight.dtype:
+        raise ValueError(
+            f"compensation must match the weight: weight {tuple(weight.shape)} {weight.dtype}, compensation "
+            f"{tuple(compensation.shape)} {compensation.dtype}"
+        )
+    if weight.dtype in (torch.float32, torch.float64):  # nothing is dropped: a plain merge
+        return merge_low_rank_(weight, factor, projection)
+    _check_merge_shapes(weight, factor, projection)
+    projection32 = projection.float()
+    rows_per_chunk = max(1, chunk_bytes // (8 * weight.shape[1]))
+    for start in range(0, weight.shape[0], rows_per_chunk):
+        rows = slice(start, start + rows_per_chunk)
+        exact = torch.addmm(
+            weight[rows].float() + compensation[rows].float(), factor[rows].float(), projection32, alpha=-1.0
+        )
+        weight[rows] = exact.to(weight.dtype)
+        compensation[rows] = (exact - weight[rows].float()).to(compensation.dtype)
     return weight

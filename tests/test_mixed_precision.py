@@ -131,3 +131,48 @@ def test_grpo_with_bf16_autocast_keeps_each_update_on_budget(tmp_path, probe):
     for entry in logs:
         assert entry["logra/predicted_step_kl"] == pytest.approx(budget, rel=0.05)
         assert entry["logra/realised_kl"] == pytest.approx(budget, rel=0.15)
+
+
+def test_bf16_engine_copy_follows_200_real_updates_with_compensation():
+    """A rollout engine holding bf16 weights, updated in place with the factors the trainer sends:
+    rounded to nearest, updates of ~6e-5 of a weight (< half an ulp) vanish; with a compensation
+    buffer the copy stays within one bf16 rounding of the fp32 master."""
+    from logra_optim.projection import make_projection
+    from logra_optim.updates import merge_low_rank_, merge_low_rank_compensated_
+
+    model = patch_model(tiny_qwen2(seed=7))
+    opt = LoGRAOptimizer(model, rank=4, update_ratio=6e-5)
+    names = [t.parameter_name for t in opt.targets]
+    start = {t.parameter_name: t.weight.detach().clone() for t in opt.targets}
+    nearest = {name: w.bfloat16() for name, w in start.items()}
+    compensated = {name: w.bfloat16() for name, w in start.items()}
+    compensation = {name: torch.zeros_like(w) for name, w in compensated.items()}
+
+    def apply(optimizer, update):
+        for target in update.targets:
+            projection = make_projection(target.seed, optimizer.rank, target.in_features, optimizer.projection)
+            merge_low_rank_(nearest[target.name], target.factor, projection, stochastic_rounding=False)
+            merge_low_rank_compensated_(compensated[target.name], compensation[target.name], target.factor, projection)
+
+    opt.register_merge_hook(apply)
+    model.train()
+    for step in range(200):
+        model(**fixed_batch(seed=step)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.update_index == 200
+
+    for target in opt.targets:
+        name, master = target.parameter_name, target.weight.detach()
+        change = master - start[name]
+        # The engine started from the bf16 rounding of the weights and then received every update:
+        # exactly (weight + compensation), and the weight itself up to one final bf16 rounding (half
+        # the spacing of 8 significant bits; a little more where the compensation's own rounding adds).
+        reference = start[name].bfloat16().float() + change
+        half_ulp = torch.exp2(torch.floor(torch.log2(reference.abs().clamp_min(1e-30))) - 8)
+        kept = compensated[name].float() + compensation[name].float()  # what the engine knows
+        assert bool(((kept - reference).abs() <= half_ulp / 4).all()), name
+        assert bool(((compensated[name].float() - reference).abs() <= half_ulp * 1.25).all()), name
+        moved = (nearest[name].float() - start[name].bfloat16().float()).norm() / change.norm()
+        assert moved < 0.5, f"{name}: rounding to nearest kept {moved:.0%} of the change"
+    assert names

@@ -5,7 +5,7 @@ The sync spans two processes, and the code is split the same way:
 * :mod:`.engine` runs inside every vLLM worker: :class:`LoGRAWorkerExtension` (install it with
   ``LLM(..., worker_extension_cls=EXTENSION)`` or ``--worker-extension-cls`` plus the value of
   :data:`EXTENSION` for a server) hands each call to the worker's :class:`EngineUpdater`, which
-  regenerates every target's ``A`` from the seed and applies ``W ← W − F A`` (METHOD.md §4).
+  regenerates every target's ``A`` from the seed and applies ``W ← W − F A`` (docs/method.md §4).
 * :mod:`.trainer` runs beside the optimizer: :class:`VLLMSync` records what the optimizer merges,
   sends it as a :class:`~logra_optim.sync.SyncPayload` and watches the drift between the copies.
 * :mod:`.placement` is the pure geometry both rely on: which rows and columns of a Hugging Face

@@ -4,10 +4,12 @@ vLLM imports :class:`LoGRAWorkerExtension` by its dotted path, :data:`EXTENSION`
 (``LLM(..., worker_extension_cls=EXTENSION)``, or ``--worker-extension-cls`` for a server), in each
 worker; so this module imports only what applying an update needs, never the trainer side. Each
 worker keeps one :class:`EngineUpdater`, which regenerates every target's ``A`` from the seed and
-applies ``W ← W − F A`` (METHOD.md §4). How depends on where the engine's weights live:
+applies ``W ← W − F A`` (docs/method.md §4). How depends on where the engine's weights live:
 
 * **in place** (CUDA, unquantized): each target's rows of the loaded, possibly fused and
-  tensor-parallel, parameter are updated directly, as its :class:`~.placement.Placement` says.
+  tensor-parallel, parameter are updated directly, as its :class:`~.placement.Placement` says;
+  16-bit weights keep a compensation buffer of the same size (Kahan summation), without which
+  every update below half an ulp, i.e. every RL update, would be rounded away.
 * **reload** (the CPU backend, which prepacks linears and leaves ``layer.weight`` empty; quantized
   layers): the updater keeps checkpoint-format shadow copies (fp32 by default) of every linear
   layer's tensors, updates those, and hands whole fused groups to vLLM's ``reload_weights``. fp32
@@ -27,7 +29,7 @@ import torch.nn as nn
 
 from logra_optim.projection import projection_seed
 from logra_optim.sync import PayloadError, SyncPayload, checksum_probe, projection_of, weight_checksum
-from logra_optim.updates import merge_low_rank_
+from logra_optim.updates import merge_low_rank_, merge_low_rank_compensated_
 
 from . import wire
 from .placement import Placement, column_parallel_placements, row_parallel_placement
@@ -139,6 +141,7 @@ class EngineUpdater:
                 "packed": getattr(model, "packed_modules_mapping", {}) or {},
                 "shadows": {},
                 "shadow_dtype": torch.float32,
+                "compensation": {},  # in place, 16-bit weights: what rounding dropped, per target
             }
             self._state = state
         return state
@@ -194,6 +197,7 @@ class EngineUpdater:
         weights = _named_tensors(weights)
         started = time.perf_counter()
         state["index"] = None  # until the load has succeeded
+        state["compensation"] = {}  # exact weights arrive: nothing was dropped
         if state["mode"] == "reload":
             state["shadow_dtype"] = wire.dtype(shadow_dtype)
         self._load_weights(weights)
@@ -278,7 +282,16 @@ class EngineUpdater:
                 weight = layers[placement.module].weight.data
                 projection = projection_of(payload, target, device=weight.device)[:, placement.projection_cols]
                 factor = target.factor.to(weight.device)[placement.factor_rows]
-                merge_low_rank_(weight[placement.param_rows], factor, projection, stochastic_rounding=False)
+                rows = weight[placement.param_rows]
+                if rows.dtype in (torch.float32, torch.float64):
+                    merge_low_rank_(rows, factor, projection)
+                    continue
+                # A 16-bit engine would drop every update below half an ulp (all of them, at RL step
+                # sizes); the compensation buffer keeps them until they add up (Kahan summation).
+                compensation = state["compensation"].get(target.name)
+                if compensation is None:
+                    compensation = state["compensation"][target.name] = torch.zeros_like(rows)
+                merge_low_rank_compensated_(rows, compensation, factor, projection)
 
     @torch.no_grad()
     def checksums(self, names: str, seed: int | str) -> str:
