@@ -39,9 +39,9 @@ def test_set_probe_contexts_validates_shapes_and_copies():
     with pytest.raises(ValueError, match="attention_mask"):
         opt.set_probe_contexts(input_ids, attention_mask=torch.ones(1, input_ids.shape[1]))
     opt.set_probe_contexts(input_ids)
-    before = opt._probe_contexts().input_ids.clone()
+    before = opt.kl_control.contexts().input_ids.clone()
     input_ids.fill_(0)  # the caller reuses its buffer
-    assert torch.equal(opt._probe_contexts().input_ids, before)
+    assert torch.equal(opt.kl_control.contexts().input_ids, before)
 
 
 def test_explicit_contexts_and_temperature(fitted_model):
@@ -84,7 +84,7 @@ def test_jvp_and_finite_difference_probes_agree(fitted_model):
     model(**batch).loss.backward()
     targets = [t.state for t in opt.targets]
     factors = [t.sketch * 1e-1 for t in targets]
-    contexts = opt._probe_contexts()
+    contexts = opt.kl_control.contexts()
     weights = [p.clone() for p in model.parameters()]
     q_jvp, n_jvp, _ = jvp_predicted_kl(model, targets, factors, contexts)
     q_fd, n_fd, _ = finite_difference_predicted_kl(model, targets, factors, contexts, epsilon=1e-2)
@@ -107,7 +107,7 @@ def test_chunked_lm_head_probe_equals_the_full_logits_probe(fitted_model, monkey
     model(**batch).loss.backward()
     targets = [t.state for t in opt.targets]
     factors = [t.sketch * 1e-1 for t in targets]
-    contexts = opt._probe_contexts()
+    contexts = opt.kl_control.contexts()
     assert probe._decoder_and_head(model) is not None, "the test model must take the chunked path"
     q_full, n_full, logits = jvp_predicted_kl(model, targets, factors, contexts, keep_base=True)
     monkeypatch.setattr(probe, "HEAD_CHUNK_POSITIONS", 3)  # several chunks, a ragged last one

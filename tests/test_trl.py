@@ -134,13 +134,13 @@ def test_trainer_uses_logra_and_patches_its_own_model(run):
     assert {name.rsplit(".", 1)[-1] for name in names} == set(TARGET_SUFFIXES)
     assert optimizer.model is trainer.model
     # The probe temperature is the trainer's sampling temperature.
-    assert optimizer._probe_contexts().temperature == pytest.approx(trainer.temperature)
+    assert optimizer.kl_control.contexts().temperature == pytest.approx(trainer.temperature)
 
 
 def test_probe_positions_are_completion_tokens(run):
     # Every prompt is 4 words, so positions 0..2 predict prompt tokens and must not be probed;
     # position 3 predicts the first completion token, which every sequence has.
-    contexts = logra_optimizer(run["trainer"])._probe_contexts()
+    contexts = logra_optimizer(run["trainer"]).kl_control.contexts()
     assert not contexts.probe_mask[:, :3].any()
     assert contexts.probe_mask[:, 3].all()
     assert contexts.tokens <= contexts.probe_mask.shape[0] * 8

@@ -47,14 +47,13 @@ def main() -> None:
     # Different seeds: caught when the optimizer is built, on every rank.
     results["seed"] = error_of(lambda: LoGRAOptimizer(frozen_model(), rank=4, seed=rank))
 
-    # Same settings, but rank 1's projection of one target differs (as if regenerated differently):
-    # caught at the next step, naming the target.
+    # Same settings, but rank 1's projection of one target differs (as if regenerated differently,
+    # or corrupted): caught at the next step, which fingerprints the projections in use, naming the target.
     model = frozen_model()
     opt = LoGRAOptimizer(model, rank=4, update_ratio=1e-2)
     if rank == 1:
         target = model.model.layers[1].mlp.down_proj._logra
         target.set_projection(-target.projection)
-        opt._checksums = [dp.projection_checksum(t.state.projection) for t in opt.targets]
     model(**BATCH).loss.backward()
     results["projection"] = error_of(opt.step)
     del opt
