@@ -32,7 +32,7 @@ from logra_optim.sync import PayloadError, SyncPayload, checksum_probe, projecti
 from logra_optim.updates import merge_low_rank_, merge_low_rank_compensated_
 
 from . import wire
-from .placement import Placement, column_parallel_placements, row_parallel_placement
+from .placement import Placement, checkpoint_fused_placement, column_parallel_placements, row_parallel_placement
 
 __all__ = ["EXTENSION", "EngineUpdater", "LoGRAWorkerExtension", "engine_placements"]
 
@@ -82,6 +82,9 @@ def engine_placements(model: nn.Module) -> dict[str, Placement]:
             full = [layer.output_size]
             local = list(getattr(layer, "output_partition_sizes", full))[:1]
             shards = [tp_rank if local[0] != full[0] else 0]
+        if len(members) < len(full):  # one checkpoint matrix for several engine blocks
+            placements[members[0]] = checkpoint_fused_placement(name, sum(full), layer.input_size)
+            continue
         placements.update(column_parallel_placements(name, members, full, local, shards, layer.input_size))
     return placements
 
@@ -234,6 +237,11 @@ class EngineUpdater:
                         f"LoGRA sync: update {update.index} names {target.name!r}, which is not a linear weight of "
                         f"this engine (e.g. {known} …)"
                     )
+                if placement.whole_only:
+                    raise PayloadError(
+                        f"LoGRA sync: update {update.index} names {target.name!r}, which the checkpoint stores fused "
+                        "and the engine splits in its own way; it can only be loaded whole (VLLMSync sends it so)"
+                    )
                 if (target.out_features, target.in_features) != (placement.out_features, placement.in_features):
                     raise PayloadError(
                         f"LoGRA sync: update {update.index}, {target.name!r}: the payload is for a "
@@ -309,8 +317,8 @@ class EngineUpdater:
         result = {"tp_size": 1, "copy_dtype": str(state["shadow_dtype"]), "served_dtype": str(dtype)}
         for name in names:
             placement = state["placements"].get(name)
-            if placement is None:
-                raise PayloadError(f"LoGRA sync: {name!r} is not a linear weight of this engine")
+            if placement is None or placement.whole_only:
+                raise PayloadError(f"LoGRA sync: {name!r} is not a linear weight this engine updates by factors")
             layer = layers[placement.module]
             result["tp_size"] = getattr(layer, "tp_size", 1)
             probe = checksum_probe(projection_seed(seed, 0, name), placement.in_features)[placement.projection_cols]
@@ -334,6 +342,7 @@ class EngineUpdater:
             "mode": state["mode"],
             "shadow_bytes": shadow_bytes,
             "targets": len(state["placements"]),
+            "whole_only": sorted(name for name, p in state["placements"].items() if p.whole_only),
             "dtype": str(self.worker.model_config.dtype),
         }
 

@@ -29,6 +29,16 @@ class Placement:
     factor_rows: slice
     param_rows: slice
     projection_cols: slice
+    whole_only: bool = False  # see checkpoint_fused_placement
+
+
+def checkpoint_fused_placement(module: str, out_features: int, in_features: int) -> Placement:
+    """A matrix the checkpoint already stores fused (Phi-3's ``qkv_proj`` / ``gate_up_proj``,
+    Falcon's ``query_key_value``) while the engine splits it into blocks of its own: which of its
+    rows land where depends on the model's loader (Falcon's permutes them per head), so the engine
+    cannot place a factor's rows. Such a matrix is only ever loaded whole."""
+    empty = slice(0, 0)
+    return Placement(module, out_features, in_features, empty, empty, empty, whole_only=True)
 
 
 def column_parallel_placements(

@@ -24,7 +24,15 @@ import torch
 
 from logra_optim.distributed import REPLICATED
 from logra_optim.projection import canonical_name, projection_seed
-from logra_optim.sync import UpdateRecorder, checksum_probe, relative_drift, to_bytes, weight_checksum
+from logra_optim.sync import (
+    SyncPayload,
+    Update,
+    UpdateRecorder,
+    checksum_probe,
+    relative_drift,
+    to_bytes,
+    weight_checksum,
+)
 
 from . import wire
 from .engine import EXTENSION, LoGRAWorkerExtension
@@ -168,7 +176,14 @@ class VLLMSync:
             (canonical_name(n), p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in targets
         ]
         # What a full sync sends (every parameter, whole, as held): more pending update bytes → full.
+        self._whole: list[tuple[str, torch.Tensor]] | None = None  # targets the engine loads only whole
         self._full_bytes = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in model.parameters())
+
+    @property
+    def sent_whole(self) -> tuple[str, ...]:
+        """Targets the engine can only load whole (known after the first full sync): the checkpoint
+        stores them fused while the engine splits them its own way, so each sync sends them in full."""
+        return tuple(name for name, _ in self._whole or ())
 
     def _model_parameters(self):
         """The default ``named_parameters``: the optimizer's model under checkpoint names."""
@@ -191,7 +206,22 @@ class VLLMSync:
         self.recorder.clear()
         self.needs_full = False
         self.compressed_since_check = 0
+        if self._whole is None:
+            self._whole = self._targets_loaded_whole()
         return self._finish("full", sent, started, result[0]["seconds"])
+
+    def _targets_loaded_whole(self) -> list[tuple[str, torch.Tensor]]:
+        """Targets the engine can only load whole (asked once, after the first full sync)."""
+        whole = set(self.engine.call("logra_status")[0]["whole_only"])
+        targets = [(t.parameter_name, t.weight) for t in self.optimizer.targets if t.parameter_name in whole]
+        if targets:
+            warnings.warn(
+                f"LoGRA sync: {len(targets)} targets are stored fused in the checkpoint and split by the engine in "
+                f"its own way (e.g. {targets[0][0]!r}); they are sent whole at every sync",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return targets
 
     def sync(self) -> dict:
         """Bring the engine to the optimizer's current update (see the class docstring)."""
@@ -201,15 +231,15 @@ class VLLMSync:
         if self.recorder.pending_bytes > self._full_bytes:
             return self._logged(self.full_sync())  # many updates since the last sync: full weights are smaller
         started = time.perf_counter()
-        payload = self.recorder.drain()
+        payload = _without(self.recorder.drain(), {name for name, _ in self._whole})
         sent, engine_seconds = 0, 0.0
         self.needs_full = True  # until the engine has confirmed: a failed sync loses the drained updates
         if payload is not None:
             data = self.engine.wire(payload.encode())
             engine_seconds = self.engine.call("logra_apply", data)[0]["seconds"]
             sent += len(data)
-        if self._non_targets:  # trainable non-targets (e.g. norms) are sent whole
-            data, size = self.engine.wire_weights(_cpu_copies(self._non_targets))
+        if self._non_targets or self._whole:  # trainable non-targets (e.g. norms) are sent whole
+            data, size = self.engine.wire_weights(_cpu_copies(self._non_targets + self._whole))
             self.engine.call("logra_load", data)
             sent += size
         self.needs_full = False
@@ -247,7 +277,8 @@ class VLLMSync:
         NaN when the engine runs tensor-parallel and only this process's rank answered (TRL's
         ``external_launcher``): a partial comparison would be meaningless."""
         seed = self.syncs if seed is None else seed
-        targets = self.optimizer.targets
+        whole = {name for name, _ in self._whole or ()}
+        targets = [target for target in self.optimizer.targets if target.parameter_name not in whole]
         names = json.dumps([target.parameter_name for target in targets])
         results = [wire.load(r) for r in self.engine.call("logra_checksums", names, seed)]
         served_dtype, copy_dtype = wire.dtype(results[0]["served_dtype"]), wire.dtype(results[0]["copy_dtype"])
@@ -288,3 +319,11 @@ class VLLMSync:
         }
         self.history.append(self.stats)
         return self.stats
+
+
+def _without(payload: SyncPayload | None, names: set[str]) -> SyncPayload | None:
+    """``payload`` less the targets in ``names`` (each update keeps its index)."""
+    if payload is None or not names:
+        return payload
+    updates = tuple(Update(u.index, tuple(t for t in u.targets if t.name not in names)) for u in payload.updates)
+    return SyncPayload(payload.rank, payload.projection, updates)
