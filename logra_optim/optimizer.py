@@ -24,14 +24,21 @@ from torch.utils.hooks import RemovableHandle
 
 from . import distributed as dp
 from .control import KLController, UpdateSkipped
-from .options import DIRECTIONS, KLOptions, StepOptions, check_non_target_optimizer, check_targets
-from .patching import TargetState, patched_modules
+from .options import (
+    KLOptions,
+    StepOptions,
+    check_non_target_optimizer,
+    check_targets,
+    direction_option,
+    upgrade_param_group,
+)
+from .patching import TargetState, patched_modules, target_state
 from .probe import LogitsFn
 from .projection import make_projection, projection_seed
 from .sketch import SketchBank
 from .sync import TargetUpdate, Update
 from .target import Target
-from .updates import low_rank_sq_norm, relative_step_size, rowadam_direction
+from .updates import low_rank_sq_norm, next_direction, relative_step_size
 
 
 @dataclass
@@ -143,7 +150,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         step_size, lr_mode = StepOptions.step_size(update_ratio, lr)
         options = StepOptions(
             rank=rank,
-            direction=_direction_option(direction, optimizer),
+            direction=direction_option(direction, optimizer),
             lr=step_size,
             lr_mode=lr_mode,
             seed=int(seed),
@@ -172,14 +179,15 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         if not found:
             raise ValueError("LoGRAOptimizer: the model has no LoGRA targets; call patch_model(model) first")
         dp.check_no_fsdp1(model)
-        targets = tuple(Target(m._logra.canonical_name, m, dp.weight_layout(name, m.weight)) for name, m in found)
+        targets = tuple(
+            Target(target_state(m).canonical_name, m, dp.weight_layout(name, m.weight)) for name, m in found
+        )
         check_targets(targets, options, kl)
 
         self.options = options
         self._model = model
         self._targets = targets
         self._weights = [dp.LocalWeight(t.weight, t.layout) for t in targets]
-        self._index_of = {id(t.weight): i for i, t in enumerate(targets)}
         group = dp.data_parallel_group(process_group)
         self._ranks = None if group is None else dp.DataParallel(group)
         self._fsdp2 = dp.fsdp2_modules(model)
@@ -377,7 +385,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         group = self.param_groups[0]
         steps, weight_sq, update_sq = [], [], []
         for index, (target, weight) in enumerate(zip(self._targets, self._weights)):
-            direction, state = _direction(group, self.state.get(target.weight, {}), target.state.sketch)
+            direction, state = next_direction(
+                group["direction"], target.state.sketch, self.state.get(target.weight, {}), group["beta2"], group["eps"]
+            )
             steps.append(TargetStep(index, direction, state))
             if group["lr_mode"] == "update_ratio":
                 if sharded_sq is None or not weight.sharded:  # the whole weight is on this rank
@@ -548,7 +558,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             raise ValueError(f"state_dict was saved with rank={logra['rank']}, this optimizer has rank={self.rank}")
         if (non_target is None) != (self.non_target_optimizer is None):
             raise ValueError("state_dict and optimizer disagree on whether a non_target_optimizer is used")
-        state_dict["param_groups"] = [_renamed_group_keys(g) for g in state_dict["param_groups"]]
+        state_dict["param_groups"] = [upgrade_param_group(g) for g in state_dict["param_groups"]]
         super().load_state_dict(state_dict)
         # torch casts floating state to the parameter's dtype; the row moments stay fp32.
         for index, target in enumerate(self._targets):
@@ -577,44 +587,6 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             f"{group['lr_mode']}={group['lr']}, projection={self.projection!r}, "
             f"kl_budget={self.kl_control.options.budget})"
         )
-
-
-def _direction(group: dict, state: dict, sketch: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """``U`` for one target and the state it would commit (nothing is mutated here)."""
-    step = state.get("step", torch.tensor(0.0)) + 1
-    if group["direction"] == "sgd":
-        # U aliases the sketch: safe because every use (η, probe, merge) precedes zeroing it.
-        return sketch, {"step": step}
-    moment = state.get("row_second_moment")
-    if moment is None:
-        moment = torch.zeros(sketch.shape[0], dtype=torch.float32, device=sketch.device)
-    direction, moment = rowadam_direction(sketch, moment, int(step), group["beta2"], group["eps"])
-    return direction, {"step": step, "row_second_moment": moment}
-
-
-def _direction_option(direction: str | None, optimizer: str | None) -> str:
-    """``direction``, or the deprecated ``optimizer=`` spelling of it."""
-    if optimizer is None:
-        return "rowadam" if direction is None else direction
-    if direction is not None:
-        raise ValueError("give direction= only (optimizer= is its deprecated name), not both")
-    if optimizer not in DIRECTIONS:
-        raise ValueError(
-            f"optimizer must be one of {DIRECTIONS}, got {optimizer!r} (and is deprecated: use direction=)"
-        )
-    warnings.warn(
-        "LoGRAOptimizer(optimizer=...) is deprecated; use direction=... (same values: 'rowadam', 'sgd')",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return optimizer
-
-
-def _renamed_group_keys(group: dict) -> dict:
-    """Param groups saved before ``optimizer`` was renamed ``direction``."""
-    if "optimizer" in group and "direction" not in group:
-        group = {("direction" if key == "optimizer" else key): value for key, value in group.items()}
-    return group
 
 
 def _total(values: list[torch.Tensor]) -> float:

@@ -175,3 +175,28 @@ def check_targets(targets: Sequence[Target], step: StepOptions, kl: KLOptions) -
             "master weights",
             stacklevel=3,
         )
+
+
+def direction_option(direction: str | None, optimizer: str | None) -> str:
+    """``direction``, or the deprecated ``optimizer=`` spelling of it (it read oddly on an optimizer)."""
+    if optimizer is None:
+        return "rowadam" if direction is None else direction
+    if direction is not None:
+        raise ValueError("give direction= only (optimizer= is its deprecated name), not both")
+    if optimizer not in DIRECTIONS:
+        raise ValueError(
+            f"optimizer must be one of {DIRECTIONS}, got {optimizer!r} (and is deprecated: use direction=)"
+        )
+    warnings.warn(
+        "LoGRAOptimizer(optimizer=...) is deprecated; use direction=... (same values: 'rowadam', 'sgd')",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return optimizer
+
+
+def upgrade_param_group(group: dict) -> dict:
+    """A param group saved before ``optimizer`` was renamed ``direction``, with the new key."""
+    if "optimizer" in group and "direction" not in group:
+        group = {("direction" if key == "optimizer" else key): value for key, value in group.items()}
+    return group

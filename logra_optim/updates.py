@@ -54,6 +54,23 @@ def rowadam_direction(
     return direction * scale, v_new
 
 
+def next_direction(
+    kind: str, sketch: torch.Tensor, state: dict[str, torch.Tensor], beta2: float = 0.95, eps: float = 1e-8
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``U`` of one target (``kind`` ``"rowadam"`` or ``"sgd"``) and the state it would commit, from
+    its optimizer ``state`` (empty before its first update). Nothing is mutated, so that an update
+    rejected later (probe, realised KL) leaves the state as it was."""
+    step = state.get("step", torch.tensor(0.0)) + 1
+    if kind == "sgd":
+        # U aliases the sketch: safe because every use (η, probe, merge) precedes zeroing it.
+        return sketch, {"step": step}
+    moment = state.get("row_second_moment")
+    if moment is None:
+        moment = torch.zeros(sketch.shape[0], dtype=torch.float32, device=sketch.device)
+    direction, moment = rowadam_direction(sketch, moment, int(step), beta2, eps)
+    return direction, {"step": step, "row_second_moment": moment}
+
+
 def low_rank_sq_norm(factor: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
     """``‖F A‖_F²`` without forming the d×k product: ``Σ (FᵀF) ∘ (AAᵀ)`` (two r×r Gram matrices)."""
     factor_gram = factor.t().float() @ factor.float()

@@ -470,7 +470,7 @@ def test_max_grad_norm_warns_and_is_disabled(tmp_path):
 
     trainer = setup.build_trainer("grpo", setup.build_policy(), tmp_path / "off", max_grad_norm=0.0)
     with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="attach_logra")
+        warnings.filterwarnings("error", message="attach_logra: max_grad_norm")
         attach_logra(trainer, **setup.LOGRA_KWARGS)
 
 

@@ -2,6 +2,8 @@
 
 Methods (all on the same model, batch and loss; ``--rank`` is shared by the low-rank ones)
     ``adamw``          ``torch.optim.AdamW`` on every parameter: the dense baseline of every ratio.
+    ``adamw-targets``  AdamW on exactly LoGRA's target weights, everything else frozen: the
+                       like-for-like reference (same trainable set as LoGRA; not run by default).
     ``adamw8bit``      bitsandbytes' ``AdamW8bit`` on every parameter (when bitsandbytes imports).
     ``lora``           peft LoRA (``r = rank``, ``lora_alpha = 2r``, no dropout) on LoGRA's target
                        modules, AdamW on the adapters, base weights frozen.
@@ -9,77 +11,49 @@ Methods (all on the same model, batch and loss; ``--rank`` is shared by the low-
                        refreshed every 200 steps, scale 0.25, as its README), plain AdamW on the rest.
     ``logra-sgd``      ``LoGRAOptimizer(patch_model(model), rank=r, optimizer="sgd")``.
     ``logra-rowadam``  the same with RowAdam, at ``--rank`` and each rank of ``--ranks``.
+    Dense optimizers use the paper's control settings (lr 1e-6, betas 0.9/0.95).
 
-How it is measured: each configuration runs in a fresh process (this module with ``--worker``), so
-peaks cannot leak between configurations; configurations run round-robin ``--rounds`` times, so a
-change of the machine's load spreads over all of them. A step is forward, ``loss.backward()``,
-``step()``, ``zero_grad()``; ``--warmup`` steps first (optimizers allocate state on their first
-step), then ``--runs`` timed steps. Reported: the median over all timed steps, and the peak memory
-(RSS above the post-import level on CPU, ``max_memory_allocated`` on CUDA), highest over rounds.
-Ratios divide by dense AdamW measured in the same invocation.
+How it is measured: each configuration runs in a fresh process (``runner.run_fresh``), so peaks
+cannot leak between configurations; configurations run round-robin ``--rounds`` times, so a change
+of the machine's load spreads over all of them. A step is forward, ``loss.backward()``, ``step()``,
+``zero_grad()`` (``--checkpointing``: non-reentrant gradient checkpointing, as TRL's trainers
+default to); ``--warmup`` steps first (optimizers allocate state on their first step), then
+``--runs`` timed steps. Reported: the median over all timed steps, and the peak memory (RSS above
+the post-import level on CPU, ``max_memory_allocated`` on CUDA), highest over rounds. ``bench.json``
+also keeps the fastest step (load from other processes only ever adds time, so on a shared machine
+it is the best estimate of a quiet one), the median optimizer part (``step`` + ``zero_grad``) and
+the absolute peak; ``--detail`` puts them in the table too. Ratios divide by dense AdamW, and by
+AdamW on the targets when it ran, measured in the same invocation.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import platform
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .measure import memory_baseline, peak_memory, ratio, resolve_device
+import torch
 
-METHODS = ("adamw", "adamw8bit", "lora", "galore", "logra-sgd", "logra-rowadam")
-BASELINE = "adamw"
-GIB = 2**30
+from logra_optim import LoGRAOptimizer, find_target_modules, patch_model
 
-# Published Qwen2.5 shapes; ``layers`` is how many of their decoder layers a run keeps by default
-# (the full 24–28 do not fit dense AdamW into this 24 GiB, 2-core machine). Embeddings keep their
-# real vocabulary: their memory is part of what every method pays.
-PRESETS: dict[str, dict] = {
-    "tiny": dict(
-        hidden_size=64,
-        intermediate_size=176,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        vocab_size=256,
-        num_hidden_layers=2,
-        tie_word_embeddings=False,
-    ),
-    "qwen2.5-0.5b": dict(
-        hidden_size=896,
-        intermediate_size=4864,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        num_hidden_layers=24,
-        tie_word_embeddings=True,
-    ),
-    "qwen2.5-1.5b": dict(
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        num_hidden_layers=28,
-        tie_word_embeddings=True,
-    ),
-    "qwen2.5-7b": dict(
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        vocab_size=152064,
-        num_hidden_layers=28,
-        tie_word_embeddings=False,
-    ),
-}
-DEFAULT_LAYERS = {"tiny": 2, "qwen2.5-0.5b": 2, "qwen2.5-1.5b": 2, "qwen2.5-7b": 1}
+from .arguments import choice_list, device, int_list, model_dir, positive_float, positive_int, writable_dir
+from .measure import GIB, memory_baseline, peak_memory, ratio, resolve_device, synchronize
+from .runner import run_fresh
+from .shapes import DEFAULT_LAYERS, PRESETS, Shape
+
+METHODS = ("adamw", "adamw-targets", "adamw8bit", "lora", "galore", "logra-sgd", "logra-rowadam")
+DEFAULT_METHODS = tuple(m for m in METHODS if m != "adamw-targets")
+# Methods without a rank, and the references whose ratios the table shows (when they ran).
+DENSE = ("adamw", "adamw-targets", "adamw8bit")
+REFERENCES = {"adamw": "AdamW", "adamw-targets": "AdamW targets"}
+# The dense optimizers' settings (also the distributed benchmark's).
+DENSE_ADAMW = dict(lr=1e-6, betas=(0.9, 0.95))
+OPTIONAL_MODULES = {"lora": "peft", "galore": "galore_torch", "adamw8bit": "bitsandbytes"}
 
 
 @dataclass(frozen=True)
@@ -89,12 +63,10 @@ class Configuration:
 
     @property
     def label(self) -> str:
-        return self.method if self.method in ("adamw", "adamw8bit") else f"{self.method} r={self.rank}"
+        return self.method if self.method in DENSE else f"{self.method} r={self.rank}"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .arguments import choice_list, device, int_list, model_dir, positive_int, writable_dir
-
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--preset", choices=sorted(PRESETS), default="qwen2.5-0.5b", help="a model shape")
     source.add_argument("--config", help="a config.json (or a directory holding one); random weights")
@@ -105,15 +77,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--methods",
         type=choice_list(METHODS),
-        default=list(METHODS),
+        default=list(DEFAULT_METHODS),
         help=f"comma-separated subset of {','.join(METHODS)}",
     )
     parser.add_argument(
         "--kl-budget",
-        type=float,
+        type=positive_float,
         default=None,
         help="run LoGRA with predicted-KL control (its JVP probe each step); unset: no KL control",
     )
+    parser.add_argument("--checkpointing", action="store_true", help="non-reentrant gradient checkpointing")
     parser.add_argument("--batch", type=positive_int, default=2)
     parser.add_argument("--seq", type=positive_int, default=512)
     parser.add_argument("--warmup", type=positive_int, default=1)
@@ -121,6 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=positive_int, default=3, help="fresh processes per configuration")
     parser.add_argument("--threads", type=positive_int, help="torch threads per worker (default: torch's)")
     parser.add_argument("--device", type=device, default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument(
+        "--detail", action="store_true", help="also tabulate the fastest step, the optimizer part and absolute peaks"
+    )
     parser.add_argument("--output", type=writable_dir, default="logra-bench", help="directory for JSON, table, PNG")
 
 
@@ -145,37 +121,39 @@ def model_config(spec: dict):
 
 
 def build_model(spec: dict, device: str):
-    import torch
     from transformers import AutoModelForCausalLM
 
     config = model_config(spec)
     torch.manual_seed(0)
     if spec.get("model"):
-        model = AutoModelForCausalLM.from_pretrained(spec["model"], config=config, dtype=torch.float32)
-        return model.to(device).train()
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(spec["model"], config=config, dtype=torch.float32).to(device)
+    else:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if spec.get("checkpointing"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.train()
 
 
 def make_optimizer(model, method: str, rank: int, kl_budget: float | None = None):
     """The optimizer of ``method`` (and the model it trains: LoRA wraps it)."""
-    import torch
-
-    from logra_optim import LoGRAOptimizer, find_target_modules, patch_model
-
     if method.startswith("logra-"):
         optimizer = LoGRAOptimizer(
             patch_model(model), rank=rank, optimizer=method.removeprefix("logra-"), kl_budget=kl_budget
         )
         return model, optimizer
     targets = find_target_modules(model)
+    if method == "adamw-targets":
+        weights = {id(module.weight) for _, module in targets}
+        for parameter in model.parameters():
+            parameter.requires_grad_(id(parameter) in weights)
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **DENSE_ADAMW)
     if method == "lora":
         from peft import LoraConfig, get_peft_model
 
         names = sorted({name.rsplit(".", 1)[-1] for name, _ in targets})
         model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=names))
-        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6, betas=(0.9, 0.95))
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **DENSE_ADAMW)
     if method == "galore":
         from galore_torch import GaLoreAdamW
 
@@ -184,31 +162,17 @@ def make_optimizer(model, method: str, rank: int, kl_budget: float | None = None
         regular = [p for p in model.parameters() if id(p) not in low_rank]
         galore_settings = {"rank": rank, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}
         groups = [{"params": regular}, {"params": galore, **galore_settings}]
-        return model, GaLoreAdamW(groups, lr=1e-6, betas=(0.9, 0.95))
+        return model, GaLoreAdamW(groups, **DENSE_ADAMW)
     if method == "adamw8bit":
         import bitsandbytes
 
-        return model, bitsandbytes.optim.AdamW8bit(model.parameters(), lr=1e-6, betas=(0.9, 0.95))
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.95))
-
-
-def _synchronize(device: str) -> None:
-    import torch
-
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-
-
-OPTIONAL_MODULES = {"lora": "peft", "galore": "galore_torch", "adamw8bit": "bitsandbytes"}
+        return model, bitsandbytes.optim.AdamW8bit(model.parameters(), **DENSE_ADAMW)
+    return model, torch.optim.AdamW(model.parameters(), **DENSE_ADAMW)
 
 
 def run_worker(spec: dict) -> dict:
-    import importlib
-
-    import torch
+    """Measure one configuration in this (fresh) process: raw step times and the memory peak."""
     from transformers import AutoModelForCausalLM  # noqa: F401  (resolves transformers' lazy import)
-
-    import logra_optim  # noqa: F401
 
     # Every import the step needs happens before the memory baseline: module code is not training memory.
     if spec["method"] in OPTIONAL_MODULES:
@@ -221,19 +185,26 @@ def run_worker(spec: dict) -> dict:
     model, optimizer = make_optimizer(model, spec["method"], spec["rank"], spec.get("kl_budget"))
     generator = torch.Generator().manual_seed(1)
     input_ids = torch.randint(0, model.config.vocab_size, (spec["batch"], spec["seq"]), generator=generator).to(device)
-    times = []
+    steps, optimizer_parts = [], []
     for step in range(spec["warmup"] + spec["runs"]):
-        _synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         model(input_ids=input_ids, labels=input_ids).loss.backward()
+        synchronize(device)
+        middle = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad()
-        _synchronize(device)
+        synchronize(device)
+        end = time.perf_counter()
         if step >= spec["warmup"]:
-            times.append(time.perf_counter() - start)
+            steps.append(end - start)
+            optimizer_parts.append(end - middle)
+    peak = peak_memory(device)
     return {
-        "step_s": times,
-        "peak_bytes": peak_memory(device) - baseline,
+        "step_s": steps,
+        "optimizer_s": optimizer_parts,
+        "peak_bytes": peak - baseline,
+        "peak_abs_bytes": peak,
         # LoGRA's targets take no .grad, so count what each optimizer updates, not requires_grad.
         "trained_params": sum(p.numel() for group in optimizer.param_groups for p in group["params"]),
         "total_params": sum(p.numel() for p in model.parameters()),
@@ -250,8 +221,6 @@ def method_available(method: str) -> str | None:
     module = OPTIONAL_MODULES.get(method)
     if module is None:
         return None
-    import importlib
-
     try:
         importlib.import_module(module)
     except Exception as error:  # an installed but broken package (e.g. a native library) is skipped too
@@ -262,27 +231,14 @@ def method_available(method: str) -> str | None:
 def _check_ranks(spec: dict, ranks: list[int], parser: argparse.ArgumentParser) -> None:
     """Refuse a rank no target of the model allows before any worker starts (LoRA, GaLore and LoGRA
     share it)."""
-    from .plan import Shape
-
     try:
-        shape = Shape.from_config(model_config(spec).to_dict())
+        limit = Shape.from_config(model_config(spec).to_dict()).max_rank
     except ValueError:
         return  # not a Llama-style config: the workers' own checks will name the module
-    smallest = min(min(d, k) for d, k in shape.targets())
-    if ranks and (ranks[0] < 1 or ranks[-1] > smallest):
+    if ranks and (ranks[0] < 1 or ranks[-1] > limit):
         parser.error(
-            f"--rank/--ranks {ranks}: every rank must be in 1…{smallest}, the smallest target dimension of this model"
+            f"--rank/--ranks {ranks}: every rank must be in 1…{limit}, the smallest target dimension of this model"
         )
-
-
-def run_configuration(spec: dict) -> dict:
-    command = [sys.executable, "-m", "logra_optim.cli.bench", "--worker", json.dumps(spec)]
-    process = subprocess.run(command, capture_output=True, text=True, check=False)
-    if process.returncode != 0:
-        raise RuntimeError(
-            f"{spec['method']} r={spec['rank']} failed (exit {process.returncode}):\n{process.stderr[-3000:]}"
-        )
-    return json.loads(process.stdout.strip().splitlines()[-1])
 
 
 def summarize(config: Configuration, samples: list[dict]) -> dict:
@@ -292,23 +248,34 @@ def summarize(config: Configuration, samples: list[dict]) -> dict:
         "method": config.method,
         "rank": config.rank,
         "step_s": statistics.median(steps),
+        "step_min_s": min(steps),
+        "optimizer_s": statistics.median(t for sample in samples for t in sample["optimizer_s"]),
         "step_times_s": steps,
         "peak_bytes": max(s["peak_bytes"] for s in samples),
+        "peak_abs_bytes": max(s["peak_abs_bytes"] for s in samples),
         "trained_params": samples[0]["trained_params"],
         "total_params": samples[0]["total_params"],
     }
 
 
-def table(results: list[dict]) -> tuple[list[str], list[list[str]]]:
-    base = next((r for r in results if r["method"] == BASELINE), None)
+def table(results: list[dict], detail: bool = False) -> tuple[list[str], list[list[str]]]:
+    """Headers and cells shared by the console and markdown tables: ratios to each reference that
+    ran; with ``detail`` also the fastest step, the optimizer part and the absolute peak."""
+    references = {name: r for name in REFERENCES for r in results if r["method"] == name}
     headers = ["method", "trained params", "peak GiB", "step s (median)"]
-    if base:
-        headers += ["memory / AdamW", "time / AdamW"]
+    if detail:
+        headers += ["step s (min)", "optimizer s (median)", "peak abs GiB"]
+    for name in references:
+        headers += [f"memory / {REFERENCES[name]}", f"time / {REFERENCES[name]}"]
+        headers += [f"min time / {REFERENCES[name]}"] if detail else []
     rows = []
     for r in results:
         row = [r["label"], f"{r['trained_params'] / 1e6:.2f} M", f"{r['peak_bytes'] / GIB:.3f}", f"{r['step_s']:.3f}"]
-        if base:
+        if detail:
+            row += [f"{r['step_min_s']:.3f}", f"{r['optimizer_s']:.3f}", f"{r['peak_abs_bytes'] / GIB:.3f}"]
+        for base in references.values():
             row += [ratio(r["peak_bytes"], base["peak_bytes"]), ratio(r["step_s"], base["step_s"])]
+            row += [ratio(r["step_min_s"], base["step_min_s"])] if detail else []
         rows.append(row)
     return headers, rows
 
@@ -335,8 +302,27 @@ def plot(results: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def configurations(args: argparse.Namespace, console) -> tuple[list[Configuration], dict[str, str]]:
+    """What runs, in ``--methods`` order (RowAdam at ``--rank`` and every ``--ranks``), and which
+    methods are skipped and why."""
+    configs, skipped = [], {}
+    for method in args.methods:
+        reason = method_available(method)
+        if reason:
+            skipped[method] = reason
+            continue
+        ranks = sorted({args.rank, *args.ranks}) if method == "logra-rowadam" else [args.rank]
+        configs += [Configuration(method, 0 if method in DENSE else rank) for rank in ranks]
+    for method, reason in skipped.items():
+        console.print(f"[yellow]skipping {method}: {reason}[/]")
+    if not configs:
+        raise ValueError(f"none of --methods {','.join(args.methods)} can run here: {skipped}")
+    return configs, skipped
+
+
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]:
     from rich.console import Console
+    from rich.progress import Progress
     from rich.table import Table
 
     if args.config and not Path(args.config).exists():
@@ -355,51 +341,42 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
         threads=args.threads,
         device=device,
         kl_budget=args.kl_budget,
+        checkpointing=args.checkpointing,
     )
     console = Console(stderr=True)
-    configs, skipped = [], {}
-    for method in args.methods:
-        reason = method_available(method)
-        if reason:
-            skipped[method] = reason
-            continue
-        ranks = sorted({args.rank, *args.ranks}) if method == "logra-rowadam" else [args.rank]
-        configs += [Configuration(method, 0 if method in ("adamw", "adamw8bit") else rank) for rank in ranks]
-    for method, reason in skipped.items():
-        console.print(f"[yellow]skipping {method}: {reason}[/]")
-    if not configs:
-        raise ValueError(f"none of --methods {','.join(args.methods)} can run here: {skipped}")
-    _check_ranks(base_spec, sorted({c.rank for c in configs if c.method not in ("adamw", "adamw8bit")}), parser)
+    configs, skipped = configurations(args, console)
+    _check_ranks(base_spec, sorted({c.rank for c in configs if c.method not in DENSE}), parser)
 
     Path(args.output).mkdir(parents=True, exist_ok=True)
     samples: dict[Configuration, list[dict]] = {config: [] for config in configs}
     started = time.perf_counter()
-    from rich.progress import Progress
-
     with Progress(console=console) as progress:
         bar = progress.add_task("benchmark", total=len(configs) * args.rounds)
         for _ in range(args.rounds):
             for config in configs:
                 progress.update(bar, description=config.label)
-                samples[config].append(run_configuration({**base_spec, "method": config.method, "rank": config.rank}))
+                spec = {**base_spec, "method": config.method, "rank": config.rank}
+                samples[config].append(run_fresh(run_worker, spec, label=config.label))
                 progress.advance(bar)
     results = [summarize(config, runs) for config, runs in samples.items()]
     source = args.model or args.config or f"preset {args.preset}"
     base_params = next(r["total_params"] for r in results if not r["method"] == "lora")  # LoRA adds adapters
     title = (
         f"{source}, {samples[configs[0]][0]['layers']} layers, {base_params / 1e6:.0f} M params; "
-        f"batch {args.batch}×{args.seq}; {device}; median of {args.rounds}×{args.runs} steps"
+        f"batch {args.batch}×{args.seq}; {device}"
+        + ("; gradient checkpointing" if args.checkpointing else "")
+        + f"; median of {args.rounds}×{args.runs} steps"
     )
-    headers, rows = table(results)
+    headers, rows = table(results, args.detail)
     rich_table = Table(title=title, title_justify="left")
     for i, header in enumerate(headers):
         rich_table.add_column(header, justify="left" if i == 0 else "right", no_wrap=i == 0)
     for row in rows:
         rich_table.add_row(*row)
-    Console(width=max(Console().width, 120)).print(rich_table)
+    Console(width=max(Console().width, 120, 16 * len(headers))).print(rich_table)  # --detail is wide
 
     output = Path(args.output)
-    command = "logra bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else "logra bench"
+    command = getattr(args, "command_line", "logra bench")  # set by cli.main
     meta = {
         "command": command,
         "title": title,
@@ -423,7 +400,3 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
     plot(results, output / "bench.png", title)
     console.print(f"results: {output / 'bench.json'}, {output / 'bench.md'}, {output / 'bench.png'}")
     return results
-
-
-if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
-    print(json.dumps(run_worker(json.loads(sys.argv[2]))))

@@ -9,9 +9,9 @@ What it does, and why each piece is there:
    would have zero advantage. A short supervised pass on correct answers (AdamW, answer tokens only)
    brings it to partial competence; both methods start from this same checkpoint.
 3. **RL.** TRL's ``GRPOTrainer`` on fresh problems, once with ``attach_logra`` (the two-line change
-   of the README) and once with dense AdamW on every parameter, each seed in a fresh process so
-   that peak memory is the run's own (RSS above the post-import level on CPU, the allocator's peak
-   on CUDA).
+   of the README) and once with dense AdamW on every parameter, each seed in a fresh process
+   (``runner.run_fresh``) so that peak memory is the run's own (RSS above the post-import level on
+   CPU, the allocator's peak on CUDA).
 4. **Evaluation.** Greedy decoding on held-out problems before and after RL: mean reward and exact
    accuracy, which the noisy sampled training reward cannot show.
 
@@ -21,17 +21,21 @@ The parent process prints a table and saves ``reward.png`` (training reward curv
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+
 from . import tasks
-from .measure import memory_baseline, peak_memory, ratio, resolve_device
+from .arguments import choice_list, device, int_list, model_dir, positive_float, positive_int, writable_dir
+from .measure import MIB, memory_baseline, peak_memory, ratio, resolve_device
+from .runner import run_fresh
 
 METHODS = ("logra", "adamw")
 LABELS = {"logra": "LoGRA", "adamw": "dense AdamW"}
@@ -72,6 +76,69 @@ class DemoSettings:
         return "spaced"
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = DemoSettings(output="")
+    parser.add_argument(
+        "--model", type=model_dir, help="a local Hugging Face causal LM; without it, a tiny Qwen2 built here"
+    )
+    parser.add_argument("--task", choices=sorted(tasks.TASKS), default="addition", help="the verifiable task")
+    parser.add_argument("--digits", type=positive_int, default=defaults.digits, help="operand digits (sort: digits+2)")
+    parser.add_argument("--steps", type=positive_int, default=defaults.steps, help="GRPO updates per run")
+    parser.add_argument("--rank", type=positive_int, default=defaults.rank, help="LoGRA sketch rank")
+    parser.add_argument("--kl-budget", type=positive_float, default=defaults.kl_budget, help="LoGRA KL per update")
+    parser.add_argument("--adamw-lr", type=positive_float, default=defaults.adamw_lr, help="dense AdamW learning rate")
+    parser.add_argument(
+        "--warm-start-steps",
+        type=int,
+        default=None,
+        help="at most this many supervised steps before RL; unset: 1000, or 0 with --model",
+    )
+    parser.add_argument(
+        "--warm-start-reward",
+        type=float,
+        default=defaults.warm_start_reward,
+        help="stop the warm start once greedy validation reward reaches this",
+    )
+    parser.add_argument("--seeds", type=int_list, default=[0], help="comma-separated; several give mean ± std")
+    parser.add_argument(
+        "--methods",
+        type=choice_list(METHODS),
+        default=list(METHODS),
+        help="comma-separated subset of " + ",".join(METHODS),
+    )
+    parser.add_argument("--device", type=device, default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--output", type=writable_dir, default="logra-demo", help="directory for plots and results")
+    parser.add_argument("--quick", action="store_true", help="a short run: 60 updates of 32 completions")
+
+
+def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> DemoSettings:
+    """The run's settings from parsed arguments; inconsistent values are usage errors."""
+    warm = args.warm_start_steps if args.warm_start_steps is not None else (0 if args.model else 1000)
+    if warm < 0:
+        parser.error(f"--warm-start-steps must be ≥ 0, got {warm}")
+    if not 0.0 <= args.warm_start_reward <= 1.0:
+        parser.error(f"--warm-start-reward must be in [0, 1] (rewards are), got {args.warm_start_reward}")
+    settings = DemoSettings(
+        output=os.path.abspath(args.output),
+        task=args.task,
+        digits=args.digits,
+        steps=args.steps,
+        rank=args.rank,
+        kl_budget=args.kl_budget,
+        adamw_lr=args.adamw_lr,
+        warm_start_steps=warm,
+        seeds=args.seeds,
+        methods=args.methods,
+        model=args.model,
+        device=args.device,
+        warm_start_reward=args.warm_start_reward,
+    )
+    if args.quick:
+        settings.steps = min(settings.steps, 60)
+        settings.batch_size = 32
+    return settings
+
+
 # --------------------------------------------------------------------------------------------------
 # The tiny policy and its tokenizer
 
@@ -94,7 +161,6 @@ def build_tokenizer():
 
 def build_tiny_policy(tokenizer, seed: int):
     """A 2-layer Qwen2 (hidden 128, ~0.4 M parameters): big enough to add, small enough for 2 cores."""
-    import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
@@ -134,8 +200,6 @@ def load_policy(settings: DemoSettings, path: str | None = None):
 
 def _encode_supervised(tokenizer, problems: list[tasks.Problem], device):
     """Prompt + answer + eos, right-padded, with labels only on the answer and eos."""
-    import torch
-
     rows, labels = [], []
     for problem in problems:
         prompt = tokenizer(problem.prompt, add_special_tokens=False)["input_ids"]
@@ -158,8 +222,6 @@ def warm_start(model, tokenizer, settings: DemoSettings, seed: int, device, prog
     same competence: a fixed count lands anywhere from 0.2 to 0.8 on this task, and from 0.2
     GRPO's groups rarely hold a better answer to learn from.
     """
-    import torch
-
     model.to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
     problems = tasks.make_problems(
@@ -184,8 +246,6 @@ def warm_start(model, tokenizer, settings: DemoSettings, seed: int, device, prog
 def evaluate(model, tokenizer, settings: DemoSettings, device, problems=None) -> dict[str, float]:
     """Greedy answers to held-out problems (by default the fixed evaluation set): mean reward and
     exact-match accuracy."""
-    import torch
-
     if problems is None:
         problems = tasks.make_problems(
             settings.task, EVAL_PROBLEMS, digits=settings.digits, style=settings.style, seed=EVAL_SEED
@@ -243,12 +303,13 @@ def _grpo_config(settings: DemoSettings, method: str, seed: int, device: str):
     )
 
 
-def run_worker(settings: DemoSettings, method: str, seed: int) -> dict:
-    """Train from the warm-start checkpoint with ``method`` in this fresh process; return the record."""
-    import torch
+def run_worker(spec: dict) -> dict:
+    """Train from the warm-start checkpoint with ``spec["method"]`` in this fresh process; return the
+    record."""
     from datasets import Dataset
     from trl import GRPOTrainer
 
+    settings, method, seed = DemoSettings(**spec["settings"]), spec["method"], spec["seed"]
     if settings.threads:
         torch.set_num_threads(settings.threads)
     device = resolve_device(settings.device)
@@ -352,13 +413,6 @@ def launch_worker(settings: DemoSettings, method: str, seed: int, console) -> di
     """Run one RL run in a fresh process, showing its progress; return its record."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    spec = Path(settings.output) / "runs" / f"{method}-seed{seed}.spec.json"
-    spec.parent.mkdir(parents=True, exist_ok=True)
-    spec.write_text(json.dumps({"settings": asdict(settings), "method": method, "seed": seed}))
-    result_path = spec.with_suffix("").with_suffix(".result.json")
-    command = [sys.executable, "-m", "logra_optim.cli.demo", str(spec), str(result_path)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    log_lines: list[str] = []
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
@@ -368,16 +422,21 @@ def launch_worker(settings: DemoSettings, method: str, seed: int, console) -> di
     )
     with Progress(*columns, console=console) as progress:
         bar = progress.add_task(f"{LABELS[method]}, seed {seed}", total=settings.steps, reward="-")
-        with subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env) as proc:
-            for line in proc.stderr:
-                if line.startswith("PROGRESS "):
-                    step, _, value = line.split()[1:4]
-                    progress.update(bar, completed=int(step), reward=value)
-                else:
-                    log_lines.append(line)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{LABELS[method]} run (seed {seed}) failed:\n{''.join(log_lines[-40:])}")
-    return json.loads(result_path.read_text())
+
+        def show_progress(line: str) -> bool:
+            if not line.startswith("PROGRESS "):
+                return False
+            step, _, value = line.split()[1:4]
+            progress.update(bar, completed=int(step), reward=value)
+            return True
+
+        return run_fresh(
+            run_worker,
+            {"settings": asdict(settings), "method": method, "seed": seed},
+            label=f"{LABELS[method]} run (seed {seed})",
+            env={"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"},
+            on_line=show_progress,
+        )
 
 
 def summarize(records: list[dict]) -> list[dict]:
@@ -424,7 +483,7 @@ def table_rows(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
             pm(r["reward_after"]),
             pm(r["accuracy_before"]),
             pm(r["accuracy_after"]),
-            f"{r['peak_bytes'] / 2**20:.0f}",
+            f"{r['peak_bytes'] / MIB:.0f}",
             f"{r['seconds_per_update']:.2f}",
         ]
         if adamw:
@@ -468,7 +527,7 @@ def plot(records: list[dict], rows: list[dict], output: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(5, 3.2))
     ax.bar(
         [LABELS[r["method"]] for r in rows],
-        [r["peak_bytes"] / 2**20 for r in rows],
+        [r["peak_bytes"] / MIB for r in rows],
         color=[colors[r["method"]] for r in rows],
     )
     ax.set_ylabel("peak training memory (MiB)")
@@ -480,8 +539,13 @@ def plot(records: list[dict], rows: list[dict], output: Path) -> list[Path]:
     return [reward_png, memory_png]
 
 
-def run(settings: DemoSettings) -> dict:
-    """The whole demo; returns the summary that is also written to ``summary.json``."""
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
+    """``logra demo``: the whole demo; returns the summary that is also written to ``summary.json``."""
+    return run_demo(settings_from(args, parser))
+
+
+def run_demo(settings: DemoSettings) -> dict:
+    """The whole demo for ``settings``; returns the summary that is also written to ``summary.json``."""
     from rich.console import Console
     from rich.table import Table
 
@@ -526,9 +590,3 @@ def run(settings: DemoSettings) -> dict:
         f"({summary['wall_seconds']:.0f} s)"
     )
     return summary
-
-
-if __name__ == "__main__":
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    record = run_worker(DemoSettings(**spec["settings"]), spec["method"], spec["seed"])
-    Path(sys.argv[2]).write_text(json.dumps(record))

@@ -1,10 +1,11 @@
-"""How the CLI measures: device choice and peak memory of the current process.
+"""How the CLI and the benchmarks measure: device choice, peak memory of the current process, units.
 
 Peak memory on CPU is the process's peak resident set size (``getrusage``) minus the level taken
 right after the imports, so what remains is the run's own weights, optimizer state, gradients or
 sketches and activations. On CUDA it is ``torch.cuda.max_memory_allocated`` (tensor memory only, so
 the baseline is the memory allocated when the run starts). Either way one process measures one
-configuration: peaks cannot be reset, so a configuration run after another would inherit its peak.
+configuration: peaks cannot be reset, so a configuration run after another would inherit its peak
+(``runner.run_fresh`` gives each its own process).
 """
 
 from __future__ import annotations
@@ -12,11 +13,14 @@ from __future__ import annotations
 import resource
 import sys
 
+import torch
+
+MIB = 2**20
+GIB = 2**30
+
 
 def resolve_device(device: str) -> str:
     """``"auto"`` → ``"cuda"`` when a GPU is visible, else ``"cpu"``; otherwise checked and returned."""
-    import torch
-
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -35,8 +39,7 @@ def peak_rss_bytes() -> int:
 
 
 def memory_baseline(device: str) -> int:
-    import torch
-
+    """The level :func:`peak_memory` is measured above; take it after the imports."""
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
         return torch.cuda.memory_allocated(device)
@@ -44,9 +47,13 @@ def memory_baseline(device: str) -> int:
 
 
 def peak_memory(device: str) -> int:
-    import torch
-
     return torch.cuda.max_memory_allocated(device) if device.startswith("cuda") else peak_rss_bytes()
+
+
+def synchronize(device: str) -> None:
+    """Wait for queued GPU work, so that a wall-clock time covers it (a no-op on CPU)."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
 
 
 def ratio(value: float, baseline: float) -> str:

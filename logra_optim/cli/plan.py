@@ -44,61 +44,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .measure import ratio
+from .arguments import positive_int
+from .measure import GIB, ratio
+from .shapes import Shape, read_config
 
-GIB = 2**30
 METHODS = ("adamw", "lora", "logra")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-
-
-@dataclass(frozen=True)
-class Shape:
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tied: bool
-
-    @classmethod
-    def from_config(cls, config: dict) -> "Shape":
-        config = config.get("text_config", config)  # multimodal configs nest the language model
-        try:
-            hidden = config["hidden_size"]
-            heads = config["num_attention_heads"]
-            return cls(
-                hidden=hidden,
-                intermediate=config["intermediate_size"],
-                layers=config["num_hidden_layers"],
-                heads=heads,
-                kv_heads=config.get("num_key_value_heads") or heads,
-                head_dim=config.get("head_dim") or hidden // heads,
-                vocab=config["vocab_size"],
-                tied=bool(config.get("tie_word_embeddings", False)),
-            )
-        except KeyError as missing:
-            raise ValueError(
-                f"config has no {missing.args[0]!r}: logra plan models Llama/Qwen/Mistral-style "
-                "decoders (hidden_size, intermediate_size, num_hidden_layers, …)"
-            ) from None
-
-    def targets(self) -> list[tuple[int, int]]:
-        """(out d, in k) of one layer's LoGRA targets: q, k, v, o, gate, up, down."""
-        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
-        return [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)]
-
-    @property
-    def target_params(self) -> int:
-        return self.layers * sum(d * k for d, k in self.targets())
-
-    @property
-    def params(self) -> int:
-        embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
-        norms = self.layers * 2 * self.hidden + self.hidden
-        biases = self.layers * (self.heads + 2 * self.kv_heads) * self.head_dim  # q/k/v biases (Qwen2)
-        return self.target_params + embeddings + norms + biases
 
 
 @dataclass(frozen=True)
@@ -178,8 +129,6 @@ def peak(parts: dict[str, float]) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .arguments import positive_int
-
     parser.add_argument("config", help="a config.json, a directory holding one, or a `logra bench` preset name")
     parser.add_argument("--rank", type=positive_int, default=256)
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="weights and activations")
@@ -198,22 +147,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--measured", help="a `logra bench` bench.json to compare with (same shape and batch)")
 
 
-def read_config(path: str) -> dict:
-    from .bench import PRESETS
-
-    if path in PRESETS and not Path(path).exists():
-        return dict(PRESETS[path])
-    file = Path(path)
-    if file.is_dir():
-        file = file / "config.json"
-    if not file.is_file():
-        raise ValueError(f"{path}: no config.json there (nor a preset: {', '.join(sorted(PRESETS))})")
-    try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{file}: not valid JSON ({error})") from None
-
-
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
     from rich.console import Console
     from rich.table import Table
@@ -222,9 +155,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
     if args.layers:
         config = {**config.get("text_config", config), "num_hidden_layers": args.layers}
     shape = Shape.from_config(config)
-    smallest = min(min(d, k) for d, k in shape.targets())
-    if args.rank > smallest:
-        parser.error(f"--rank {args.rank} exceeds the smallest target dimension ({smallest}) of this model")
+    if args.rank > shape.max_rank:
+        parser.error(f"--rank {args.rank} exceeds the smallest target dimension ({shape.max_rank}) of this model")
     setting = Setting(
         rank=args.rank,
         dtype=args.dtype,
@@ -240,15 +172,18 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
     measured = _measured_peaks(args.measured, args.rank) if args.measured else {}
     if measured:
         meta = json.loads(Path(args.measured).read_text())["meta"]
-        differ = {
-            name: (meta.get(name), value)
-            for name, value in (("batch", setting.batch), ("seq", setting.seq), ("layers", shape.layers))
-            if meta.get(name) != value
-        }
-        if differ or setting.dtype != "fp32" or setting.checkpointing:
+        bench = {**meta, "checkpointing": bool(meta.get("checkpointing"))}  # absent from older runs: off
+        compared = (
+            ("batch", setting.batch),
+            ("seq", setting.seq),
+            ("layers", shape.layers),
+            ("checkpointing", setting.checkpointing),
+        )
+        differ = {name: (bench.get(name), value) for name, value in compared if bench.get(name) != value}
+        if differ or setting.dtype != "fp32":
             parser.error(
-                f"--measured was run with other settings (bench, plan): {differ}; `logra bench` runs "
-                "fp32 without checkpointing, so plan it with --dtype fp32 --no-checkpointing"
+                f"--measured was run with other settings (bench, plan): {differ}; `logra bench` runs fp32, so "
+                "plan it with --dtype fp32, and --no-checkpointing unless it ran with --checkpointing"
             )
 
     layout = "sharded" if setting.sharded else "replicated"
