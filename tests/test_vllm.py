@@ -54,6 +54,32 @@ def _trainer(seed=0, **optimizer_kwargs):
     return model, LoGRAOptimizer(model, **options)
 
 
+class _PublicOnly:
+    """An optimizer whose private attributes cannot be read."""
+
+    def __init__(self, optimizer):
+        self._wrapped = optimizer
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AssertionError(f"the adapter read the optimizer's private attribute {name!r}")
+        return getattr(self._wrapped, name)
+
+
+def test_sync_reads_only_the_optimizers_public_view(llm):
+    model, optimizer = _trainer(seed=3)
+    sync = VLLMSync(_PublicOnly(optimizer), llm, check_every=2)
+    assert sync.sync()["kind"] == "full"
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        train_step(model, optimizer, generator)
+        stats = sync.sync()
+        assert stats["kind"] == "compressed"
+    assert stats["drift"] < 1e-6
+    assert max_difference(engine_logprobs(llm), trainer_logprobs(model)) < 1e-4
+    sync.close()
+
+
 def test_twenty_compressed_syncs_keep_engine_equal_to_trainer(llm):
     """Full sync, then 20 real LoGRA updates each followed by a compressed sync: the engine's
     prompt log-probs equal the trainer model's to 1e-4 after every sync, while they moved by far
