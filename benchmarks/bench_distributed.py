@@ -26,10 +26,11 @@ What is measured, and how
       input (the trainable parameters' fp32 gradients) is computed from their sizes, marked
       ``computed`` in the results; the same for DeepSpeed, whose ZeRO-3 reductions on the CPU do not
       go through ``torch.distributed``. Bytes are what one rank hands to the collectives per step.
-    * Time: every configuration in a fresh pair of processes, ``--warmup`` steps, then ``--steps``
-      timed steps (forward, backward, optimizer step, zero_grad; a barrier before each, the slower
-      rank's time); median reported. This 2-core machine is shared with other jobs: the load average
-      at the start and end of the run is recorded with the results.
+    * Time: every configuration in a fresh pair of processes (``runner.run_fresh`` under
+      torchrun), ``--warmup`` steps, then ``--steps`` timed steps (forward, backward, optimizer
+      step, zero_grad; a barrier before each, the slower rank's time); median reported. This 2-core
+      machine is shared with other jobs: the load average at the start and end of the run is
+      recorded with the results.
 
 ``python benchmarks/bench_distributed.py --help`` lists the options; the defaults are the README's run.
 """
@@ -37,15 +38,24 @@ What is measured, and how
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from logra_optim import LoGRAOptimizer, find_target_modules, patch_model
+from logra_optim.cli.bench import DENSE_ADAMW
+from logra_optim.cli.runner import WorkerFailed, run_fresh
 
 METHODS = ("adamw-targets", "logra")
 ENGINES = ("ddp", "fsdp2", "zero2", "zero3")
@@ -68,7 +78,6 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--markdown", help="write the results table here")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -80,9 +89,7 @@ class ByteCounter:
     """Records the bytes of tensors passed to ``torch.distributed`` collectives while active."""
 
     def __init__(self):
-        import torch.distributed as dist
-
-        self.dist, self.bytes, self.calls, self.active = dist, 0, 0, False
+        self.bytes, self.calls, self.active = 0, 0, False
         # Which argument is the tensor this rank contributes (position, keyword).
         for name, position, keyword in (
             ("all_reduce", 0, "tensor"),
@@ -103,18 +110,8 @@ class ByteCounter:
         return counted
 
 
-def _ddp_python_allreduce_hook(state, bucket):
-    """DDP's default bucket all-reduce, issued through ``torch.distributed.all_reduce`` (so the
-    counter sees every gradient bucket) instead of from C++."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-    return allreduce_hook(state, bucket)
-
-
-def build(args, method: str, rank_r: int | None, device):
+def build(args, method: str, device):
     from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from logra_optim import LoGRAOptimizer, find_target_modules, patch_model
 
     config = Qwen2Config(
         vocab_size=args.vocab,
@@ -137,14 +134,29 @@ def build(args, method: str, rank_r: int | None, device):
             p.requires_grad_(id(p) in targets)
     model.model.norm.weight.requires_grad_(True)
     model.train()
-    return model, LoGRAOptimizer, config
+    return model
 
 
-def worker(args) -> None:
-    import torch.distributed as dist
+def _train_step(wrapped, opt, engine_optimizer, input_ids) -> None:
+    """Forward, backward, optimizer step, zero_grad; under DeepSpeed its engine steps (and LoGRA,
+    when it trains the targets, beside it)."""
+    loss = wrapped(input_ids=input_ids, labels=input_ids).loss
+    if engine_optimizer is not None:  # DeepSpeed
+        wrapped.backward(loss)
+        if opt is not None:
+            opt.step()
+            opt.zero_grad()
+        wrapped.step()
+        return
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
 
-    engine, method, rank_text = args.worker.split(":")
-    rank_r = int(rank_text) if rank_text else None
+
+def worker(spec: dict) -> dict | None:
+    """One configuration on this rank (torchrun starts one per rank); rank 0 returns the record."""
+    args = SimpleNamespace(**spec)
+    engine, method, rank_r = args.engine, args.method, args.rank
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else "cpu"
     if args.device == "cuda":
         torch.cuda.set_device(device)
@@ -156,18 +168,17 @@ def worker(args) -> None:
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // dist.get_world_size()))
     counter = ByteCounter()
-    model, LoGRAOptimizer, _ = build(args, method, rank_r, device)
-    adamw = lambda params: torch.optim.AdamW(params, lr=1e-6, betas=(0.9, 0.95))  # noqa: E731
+    model = build(args, method, device)
+    adamw = lambda params: torch.optim.AdamW(params, **DENSE_ADAMW)  # noqa: E731
     computed_gradient_bytes = 0
-    target_params = sum(m.weight.numel() for m in _targets(model))  # before any engine shards them
+    # Before any engine shards them.
+    target_params = sum(module.weight.numel() for _, module in find_target_modules(model))
     if engine == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
         wrapped = DistributedDataParallel(model)
-        wrapped.register_comm_hook(None, _ddp_python_allreduce_hook)
+        # DDP's default bucket all-reduce, but issued through ``torch.distributed.all_reduce`` (so the
+        # counter sees every gradient bucket) instead of from C++.
+        wrapped.register_comm_hook(None, allreduce_hook)
     elif engine == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
         for layer in model.model.layers:
             fully_shard(layer)
         wrapped = fully_shard(model)
@@ -196,19 +207,6 @@ def worker(args) -> None:
     generator = torch.Generator().manual_seed(1 + dist.get_rank())
     input_ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator).to(device)
 
-    def step():
-        loss = wrapped(input_ids=input_ids, labels=input_ids).loss
-        if engine_optimizer is not None:  # DeepSpeed
-            wrapped.backward(loss)
-            if opt is not None:
-                opt.step()
-                opt.zero_grad()
-            wrapped.step()
-            return
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-
     times, per_step_bytes = [], []
     for index in range(args.warmup + args.steps):
         dist.barrier()
@@ -217,7 +215,7 @@ def worker(args) -> None:
         counter.bytes = counter.calls = 0
         counter.active = index >= args.warmup
         started = time.perf_counter()
-        step()
+        _train_step(wrapped, opt, engine_optimizer, input_ids)
         if args.device == "cuda":
             torch.cuda.synchronize()
         elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
@@ -226,71 +224,54 @@ def worker(args) -> None:
         if index >= args.warmup:
             times.append(float(elapsed))
             per_step_bytes.append(counter.bytes)
+    record = None
     if dist.get_rank() == 0:
         sketch_bytes = sum(b.numel() * b.element_size() for b in opt.sketch_buffers()) if method == "logra" else 0
-        print(
-            json.dumps(
-                {
-                    "engine": engine,
-                    "method": method,
-                    "rank": rank_r,
-                    "step_seconds": statistics.median(times),
-                    "step_seconds_all": times,
-                    "measured_bytes_per_step": statistics.median(per_step_bytes),
-                    "computed_dense_gradient_bytes": computed_gradient_bytes,
-                    "sketch_buffer_bytes": sketch_bytes,
-                    "target_params": target_params,
-                }
-            )
-        )
+        record = {
+            "engine": engine,
+            "method": method,
+            "rank": rank_r,
+            "step_seconds": statistics.median(times),
+            "step_seconds_all": times,
+            "measured_bytes_per_step": statistics.median(per_step_bytes),
+            "computed_dense_gradient_bytes": computed_gradient_bytes,
+            "sketch_buffer_bytes": sketch_bytes,
+            "target_params": target_params,
+        }
+    # Free the engine while the process group lives. A DDP reducer freed after
+    # destroy_process_group destroys the group itself, joining gloo's threads with the GIL held,
+    # which deadlocks when one of them still needs the GIL to release a tensor.
+    del wrapped, engine_optimizer, opt, model
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
-
-
-def _targets(model):
-    from logra_optim import find_target_modules
-
-    return [m for _, m in find_target_modules(model)]
+    return record
 
 
 # --------------------------------------------------------------------------------------------------
 # Driver
 
 
+# torchrun's form of ``python -m``: two ranks on this machine, each running the worker module.
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--module")
+SHAPE = ("hidden", "layers", "intermediate", "heads", "kv_heads", "vocab", "batch", "seq", "warmup", "steps", "device")
+
+
 def run_configuration(args, engine: str, method: str, rank_r: int | None) -> dict:
-    forwarded = []
-    for name in ("hidden", "layers", "intermediate", "heads", "kv_heads", "vocab", "batch", "seq", "warmup", "steps"):
-        forwarded += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        __file__,
-        "--worker",
-        f"{engine}:{method}:{rank_r or ''}",
-        "--device",
-        args.device,
-        *forwarded,
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
-    for attempt in range(2):  # one retry: a DeepSpeed ZeRO-3 worker was once seen to abort on this machine
-        result = subprocess.run(command, capture_output=True, text=True, env=env)
-        if result.returncode == 0:
-            break
-        print(f"{engine}/{method}/{rank_r} failed (attempt {attempt + 1}):\n{result.stderr[-1500:]}", file=sys.stderr)
-    else:
-        raise RuntimeError(f"{engine}/{method}/{rank_r} failed twice")
-    line = [line for line in result.stdout.splitlines() if line.startswith("{")][-1]
-    return {**json.loads(line), "attempts": attempt + 1}
+    spec = {**{name: getattr(args, name) for name in SHAPE}, "engine": engine, "method": method, "rank": rank_r}
+    label = f"{engine}/{method}/{rank_r}"
+    env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    for attempt in (1, 2):  # one retry: a DeepSpeed ZeRO-3 worker was once seen to abort on this machine
+        try:
+            return {**run_fresh(worker, spec, label=label, env=env, launcher=TORCHRUN), "attempts": attempt}
+        except WorkerFailed as failure:
+            if attempt == 2:
+                raise
+            print(f"{failure} (attempt {attempt}, retrying)", file=sys.stderr)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if args.worker:
-        worker(args)
-        return
     load_before = os.getloadavg()
     rows = []
     for engine in args.engines:
@@ -313,7 +294,7 @@ def main(argv=None) -> None:
         row["bytes_vs_dense"] = own_bytes / dense_bytes
         row["time_vs_dense"] = row["step_seconds"] / dense["step_seconds"]
     results = {
-        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "markdown", "worker")},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "markdown")},
         "machine": {
             "platform": platform.platform(),
             "cpus": os.cpu_count(),

@@ -7,7 +7,7 @@ on the probe contexts, independently of the optimizer's bookkeeping.
 
 Cost: on a Qwen2 of realistic width, the median time of the JVP probe and of the finite-difference
 probe over the probe contexts, divided by the median time of one plain (eval, no-grad) forward of
-the same contexts. Each model size runs in a fresh process, after warm-up.
+the same contexts. Each model size runs in a fresh process (``runner.run_fresh``), after warm-up.
 
     python benchmarks/bench_kl.py --json benchmarks/results/kl.json
 """
@@ -18,11 +18,21 @@ import argparse
 import copy
 import json
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
+
+from logra_optim import LoGRAOptimizer, patch_model
+from logra_optim.cli.runner import run_fresh
+from logra_optim.kl import exact_kl_terms
+from logra_optim.probe import (
+    _inference_environment,
+    contexts_from_batch,
+    default_logits_fn,
+    finite_difference_predicted_kl,
+    jvp_predicted_kl,
+)
 
 BUDGETS = (1e-5, 3e-5, 1e-4, 2e-4)
 # (probe, realised-KL check): the two predictors, and the JVP probe with the check that measures the
@@ -50,10 +60,6 @@ def qwen2(hidden: int, layers: int, vocab: int, seed: int = 0):
 
 
 def accuracy(args) -> list[dict]:
-    from logra_optim import LoGRAOptimizer, patch_model
-    from logra_optim.kl import exact_kl_terms
-    from logra_optim.probe import contexts_from_batch
-
     base = qwen2(args.acc_hidden, args.acc_layers, args.acc_vocab)
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, args.acc_vocab, (8, 64), generator=generator)
@@ -118,26 +124,18 @@ def _median_seconds(fn, runs: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def cost_worker(
-    hidden: int, layers: int, vocab: int, seq: int, samples: int, rank: int, runs: int, warmup: int
-) -> dict:
+def cost_worker(spec: dict) -> dict:
     """One model size, in this (fresh) process."""
-    from logra_optim import LoGRAOptimizer, patch_model
-    from logra_optim.probe import (
-        _inference_environment,
-        contexts_from_batch,
-        default_logits_fn,
-        finite_difference_predicted_kl,
-        jvp_predicted_kl,
-    )
-
+    hidden, layers, vocab, rank = spec["hidden"], spec["layers"], spec["vocab"], spec["rank"]
+    samples, seq, runs, warmup = spec["samples"], spec["seq"], spec["runs"], spec["warmup"]
     torch.set_num_threads(2)
     model = patch_model(qwen2(hidden, layers, vocab))
     ids = torch.randint(0, vocab, (samples, seq), generator=torch.Generator().manual_seed(2))
     opt = LoGRAOptimizer(model, rank=rank, kl_budget=1e-4)
     model(input_ids=ids, labels=ids).loss.backward()
     contexts = contexts_from_batch(ids, labels=ids)
-    targets = opt._targets
+    # The probes perturb each target by its state's factor: the step's sketch, scaled down.
+    targets = [target.state for target in opt.targets]
     factors = [t.sketch * 1e-3 for t in targets]
 
     def plain():
@@ -163,7 +161,6 @@ def cost_worker(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Predicted-KL accuracy and probe cost")
-    parser.add_argument("--worker", type=str, help=argparse.SUPPRESS)
     parser.add_argument("--acc-hidden", type=int, default=128)
     parser.add_argument("--acc-layers", type=int, default=2)
     parser.add_argument("--acc-vocab", type=int, default=512)
@@ -180,10 +177,6 @@ def main() -> None:
     parser.add_argument("--json", type=str)
     args = parser.parse_args()
 
-    if args.worker:
-        print(json.dumps(cost_worker(**json.loads(args.worker))))
-        return
-
     results = {"accuracy": accuracy(args), "cost": []}
     for size in filter(None, args.sizes.split(",")):
         hidden, layers = (int(v) for v in size.split("x"))
@@ -197,10 +190,7 @@ def main() -> None:
             runs=args.runs,
             warmup=args.warmup,
         )
-        out = subprocess.run(
-            [sys.executable, __file__, "--worker", json.dumps(spec)], check=True, capture_output=True, text=True
-        ).stdout
-        row = json.loads(out.strip().splitlines()[-1])
+        row = run_fresh(cost_worker, spec, label=f"cost worker (hidden {hidden}, {layers} layers)")
         results["cost"].append(row)
         print(
             f"cost hidden {hidden} layers {layers} ({row['tokens']} probe tokens, r={row['rank']}): "

@@ -7,13 +7,14 @@ layers, random fp32 weights, nothing downloaded. The trainer side is ``LoGRAOpti
 this machine), colocated in the same process (``collective_rpc``) or a separate OpenAI server
 process on loopback (``POST /collective_rpc``, payloads as base64).
 
-Per configuration (mode × rank), in a fresh process: a warm-up full sync and compressed sync, then
-``--runs`` times {one real LoGRA update (forward + backward on 1 × 64 random tokens, step), a
-compressed sync} and ``--runs`` full syncs; medians reported. A compressed sync sends the factors of
-one update; a full sync sends every parameter as the trainer holds it (fp32 master weights),
-which is what TRL's ``sync_weights`` does. ``bytes`` are what goes over the transport (the encoded
-payload; base64 text for the server); ``target_bf16_bytes`` is a full bf16 sync of the target
-matrices, the issue's yardstick, and ``r/k`` is ``Σ d·r / Σ d·k`` over the targets.
+Per configuration (mode × rank), in a fresh process (``runner.run_fresh``): a warm-up full sync and
+compressed sync, then ``--runs`` times {one real LoGRA update (forward + backward on 1 × 64 random
+tokens, step), a compressed sync} and ``--runs`` full syncs; medians reported. A compressed sync
+sends the factors of one update; a full sync sends every parameter as the trainer holds it (fp32
+master weights), which is what TRL's ``sync_weights`` does. ``bytes`` are what goes over the
+transport (the encoded payload; base64 text for the server); ``target_bf16_bytes`` is a full bf16
+sync of the target matrices, the issue's yardstick, and ``r/k`` is ``Σ d·r / Σ d·k`` over the
+targets.
 
 ``python benchmarks/bench_sync.py --help`` lists the options; the defaults are the README's run.
 """
@@ -32,6 +33,14 @@ import tempfile
 import time
 import urllib.request
 
+import torch
+
+from logra_optim import LoGRAOptimizer, patch_model
+from logra_optim.cli.runner import run_fresh
+from logra_optim.cli.shapes import PRESETS
+from logra_optim.integrations.vllm import EXTENSION, VLLMSync
+from logra_optim.sync import full_sync_bytes
+
 MODES = ("colocate", "server")
 
 
@@ -45,15 +54,11 @@ def parse_args(argv=None):
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--markdown", help="write a table here")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 def _save_model(spec: dict, directory: str):
-    import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from logra_optim.cli.bench import PRESETS
 
     config = Qwen2Config(
         **{**PRESETS[spec["preset"]], "num_hidden_layers": spec["layers"]}, max_position_embeddings=256
@@ -65,8 +70,7 @@ def _save_model(spec: dict, directory: str):
 
 
 def _start_server(directory: str, dtype: str) -> tuple[subprocess.Popen, str]:
-    from logra_optim.integrations.vllm import EXTENSION
-
+    """A vLLM OpenAI server on a free loopback port (a long-running process, not a worker)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -110,12 +114,6 @@ def _start_server(directory: str, dtype: str) -> tuple[subprocess.Popen, str]:
 def worker(spec: dict) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    import torch
-
-    from logra_optim import LoGRAOptimizer, patch_model
-    from logra_optim.integrations.vllm import VLLMSync
-    from logra_optim.sync import full_sync_bytes
-
     directory = tempfile.mkdtemp(prefix="bench-sync-")
     model = _save_model(spec, directory)
     server = None
@@ -154,11 +152,11 @@ def worker(spec: dict) -> dict:
         full = [sync.full_sync() for _ in range(spec["runs"])]
         assert all(s["kind"] == "compressed" for s in compressed)
         drift = sync.drift()
-        shapes = [layout.shape for layout in optimizer._layouts]
+        shapes = [target.shape for target in optimizer.targets]
         status = sync.engine.call("logra_status")[0]
         # The yardstick as a transfer: the target layers' tensors (weights and biases: vLLM reloads
         # whole layers) in bf16, loaded the same way. Last, as it leaves bf16 values in the shadows.
-        target_modules = {name.removesuffix(".weight") for name in sync._target_names}
+        target_modules = {target.name for target in optimizer.targets}
         layer_tensors = [
             (n, p.detach().to(torch.bfloat16))
             for n, p in model.named_parameters()
@@ -218,9 +216,6 @@ def table(results: list[dict]) -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if args.worker:
-        print(json.dumps(worker(json.loads(args.worker))))
-        return
     results = []
     for mode in args.modes:
         for rank in args.ranks:
@@ -232,12 +227,7 @@ def main(argv=None) -> None:
                 runs=args.runs,
                 engine_dtype=args.engine_dtype,
             )
-            process = subprocess.run(
-                [sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True
-            )
-            if process.returncode != 0:
-                sys.exit(f"worker {spec} failed:\n{process.stderr[-4000:]}")
-            results.append(json.loads(process.stdout.strip().splitlines()[-1]))
+            results.append(run_fresh(worker, spec, label=f"sync worker ({mode}, r={rank})"))
             print(table(results[-1:]).splitlines()[-1], flush=True)
     report = {
         "machine": platform.processor() or platform.machine(),

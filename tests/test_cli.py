@@ -1,6 +1,7 @@
 """The ``logra`` command: argument handling and bad input, a real ``--quick`` demo, ``bench`` on the
-tiny preset, and ``plan``'s memory model checked against real models: parameter and target counts,
-LoGRA's sketch buffers, peft's adapters, and the bytes autograd actually saves for backward."""
+tiny preset, the fresh-process runner they share, and ``plan``'s memory model checked against real
+models: parameter and target counts, LoGRA's sketch buffers, peft's adapters, and the bytes autograd
+actually saves for backward."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import sys
 import pytest
 import torch
 
-from logra_optim.cli import main
+from logra_optim.cli import main, tasks
 from logra_optim.cli import plan as plan_module
-from logra_optim.cli import tasks
+from logra_optim.cli.runner import WorkerFailed, run_fresh
+from logra_optim.cli.shapes import PRESETS, Shape
 
 TINY_CONFIG = dict(
     hidden_size=64,
@@ -151,6 +153,51 @@ def test_addition_answers_are_the_sums():
 
 
 # --------------------------------------------------------------------------------------------------
+# The fresh-process runner (workers must be module-level: the child imports them from this file)
+
+
+def echo_worker(spec: dict) -> dict:
+    print("noise on stdout cannot corrupt the record")
+    return {"spec": spec, "pid": os.getpid()}
+
+
+def crashing_worker(spec: dict) -> dict:
+    print(f"PROGRESS {spec['step']}", file=sys.stderr, flush=True)
+    raise ValueError(f"worker broke on purpose at step {spec['step']}")
+
+
+def silent_worker(spec: dict) -> None:
+    return None
+
+
+def test_run_fresh_returns_the_record_from_another_process():
+    record = run_fresh(echo_worker, {"rank": 8, "method": "logra-sgd"}, label="echo")
+    assert record["spec"] == {"rank": 8, "method": "logra-sgd"}
+    assert record["pid"] != os.getpid()
+
+
+def test_a_crashing_worker_is_a_clear_error_naming_it():
+    claimed = []
+
+    def claim_progress(line: str) -> bool:
+        if line.startswith("PROGRESS"):
+            claimed.append(line)
+            return True
+        return False
+
+    with pytest.raises(WorkerFailed) as failure:
+        run_fresh(crashing_worker, {"step": 3}, label="logra-rowadam r=64", on_line=claim_progress)
+    message = str(failure.value)
+    assert message.startswith("logra-rowadam r=64 failed (exit 1)")
+    assert "ValueError: worker broke on purpose at step 3" in message  # the child's traceback
+    assert claimed == ["PROGRESS 3\n"] and "PROGRESS" not in message  # claimed lines are left out
+    with pytest.raises(WorkerFailed, match="silent failed .*without writing a result"):
+        run_fresh(silent_worker, {}, label="silent")
+    with pytest.raises(ValueError, match="module-level function"):
+        run_fresh(lambda spec: spec, {}, label="lambda")
+
+
+# --------------------------------------------------------------------------------------------------
 # The demo and the benchmark, for real
 
 
@@ -210,7 +257,7 @@ def test_bench_on_the_tiny_preset(tmp_path):
     # What each method trains: all parameters, the adapters, or LoGRA's target matrices.
     model = build_tiny_model(bench_preset("tiny"))
     assert by_label["adamw"]["trained_params"] == sum(p.numel() for p in model.parameters())
-    targets = plan_module.Shape.from_config(bench_preset("tiny")).target_params
+    targets = Shape.from_config(bench_preset("tiny")).target_params
     assert by_label["logra-sgd r=8"]["trained_params"] == targets
     assert "| adamw |" in (tmp_path / "bench.md").read_text()
     assert (tmp_path / "bench.png").read_bytes()[:8] == PNG_MAGIC
@@ -240,8 +287,6 @@ def test_bench_on_the_tiny_preset(tmp_path):
 
 
 def bench_preset(name: str) -> dict:
-    from logra_optim.cli.bench import PRESETS
-
     return dict(PRESETS[name])
 
 
@@ -278,7 +323,7 @@ def test_parameter_and_target_counts_match_the_real_model(config):
     from logra_optim import find_target_modules
 
     model = build_tiny_model(config)
-    shape = plan_module.Shape.from_config(config)
+    shape = Shape.from_config(config)
     assert shape.params == sum(p.numel() for p in model.parameters())
     real_targets = [tuple(module.weight.shape) for _, module in find_target_modules(model)]
     assert sorted(real_targets) == sorted(shape.targets() * shape.layers)
@@ -292,7 +337,7 @@ def test_logra_and_lora_state_match_the_real_optimizers(config):
 
     rank = 8
     setting = plan_module.Setting(rank=rank, dtype="fp32", batch=1, seq=8)
-    shape = plan_module.Shape.from_config(config)
+    shape = Shape.from_config(config)
     predicted = plan_module.breakdown(shape, "logra", setting)
     optimizer = LoGRAOptimizer(patch_model(build_tiny_model(config)), rank=rank)
     assert predicted["sketches"] == sum(buffer.numel() * buffer.element_size() for buffer in optimizer.sketch_buffers())
@@ -337,7 +382,7 @@ def test_activation_model_matches_what_autograd_saves(config, method):
     input_ids = torch.randint(0, config["vocab_size"], (batch, seq))
     measured = saved_activation_bytes(model, input_ids)
     setting = plan_module.Setting(rank=rank, dtype="fp32", batch=batch, seq=seq, checkpointing=False)
-    predicted = plan_module.breakdown(plan_module.Shape.from_config(config), method, setting)
+    predicted = plan_module.breakdown(Shape.from_config(config), method, setting)
     predicted_saved = predicted["activations"] + 4 * config["vocab_size"] * batch * seq
     assert predicted_saved == pytest.approx(measured, rel=0.10)
 

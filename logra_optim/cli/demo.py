@@ -333,7 +333,7 @@ def run_worker(spec: dict) -> dict:
         callbacks=[progress_callback(settings.steps)],
     )
     if method == "logra":
-        from logra_optim.integrations.trl import attach_logra
+        from logra_optim.integrations.trl import attach_logra  # imports transformers
 
         attach_logra(
             trainer,
