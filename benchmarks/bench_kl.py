@@ -27,7 +27,7 @@ from logra_optim import LoGRAOptimizer, patch_model
 from logra_optim.cli.runner import run_fresh
 from logra_optim.kl import exact_kl_terms
 from logra_optim.probe import (
-    _inference_environment,
+    inference_environment,
     contexts_from_batch,
     default_logits_fn,
     finite_difference_predicted_kl,
@@ -139,7 +139,7 @@ def cost_worker(spec: dict) -> dict:
     factors = [t.sketch * 1e-3 for t in targets]
 
     def plain():
-        with _inference_environment(model):
+        with inference_environment(model):
             default_logits_fn(model, contexts)
 
     plain_s = _median_seconds(plain, runs, warmup)

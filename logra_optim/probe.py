@@ -174,7 +174,7 @@ def _probe_targets(targets: Sequence, factors: Sequence[torch.Tensor], mode: str
 
 
 @contextlib.contextmanager
-def _inference_environment(model: nn.Module) -> Iterator[None]:
+def inference_environment(model: nn.Module) -> Iterator[None]:
     """Eval mode (no dropout, no gradient checkpointing), no autograd graph, attention kernels
     with forward-AD formulas (the math SDPA backend; fused kernels such as CPU flash SDPA have
     none), and the weights' own precision. The model's train/eval flags, attention setting and
@@ -268,7 +268,7 @@ def _chunkable_head(model: nn.Module, contexts: ProbeContexts) -> tuple[nn.Modul
         # One sequence, compared at a position it attends from (padding can sit on either side).
         one = ProbeContexts(contexts.input_ids[:1], _first_row(contexts.attention_mask), contexts.probe_mask[:1])
         position = int(one.attention_mask[0].nonzero()[-1]) if one.attention_mask is not None else -1
-        with _inference_environment(model):
+        with inference_environment(model):
             logits = default_logits_fn(model, one)[0, position].float()
             output = decoder(input_ids=one.input_ids, attention_mask=one.attention_mask, use_cache=False)
             hidden = output if isinstance(output, torch.Tensor) else output[0]
@@ -312,7 +312,7 @@ def jvp_predicted_kl(
     large vocabularies."""
     split = _chunkable_head(model, contexts) if not keep_base and logits_fn is default_logits_fn else None
     with (
-        _inference_environment(model),
+        inference_environment(model),
         fwAD.dual_level(),
         _probe_targets(targets, factors, "tangent"),
         _frozen_linears_with_tangents(model),
@@ -332,7 +332,7 @@ def jvp_predicted_kl(
 def finite_difference_predicted_kl(model, targets, factors, contexts, logits_fn=default_logits_fn, epsilon=1.0):
     """``(Σ_s KL_s(θ ‖ θ+εD)/ε², |P|, base logits at P)``: two forwards, exact full-vocabulary KL,
     ``εD`` applied as a temporary low-rank branch so the weights stay bit-exact."""
-    with _inference_environment(model):
+    with inference_environment(model):
         base = _probe_logits(model, contexts, logits_fn)
         with _probe_targets(targets, [f * epsilon for f in factors], "branch"):
             perturbed = _probe_logits(model, contexts, logits_fn)
@@ -342,7 +342,7 @@ def finite_difference_predicted_kl(model, targets, factors, contexts, logits_fn=
 
 def realised_kl(model, contexts, base_logits, logits_fn=default_logits_fn):
     """``(Σ_s KL_s(π_before ‖ π_now), |P|)`` on the probe contexts, with the model as it is now."""
-    with _inference_environment(model):
+    with inference_environment(model):
         now = _probe_logits(model, contexts, logits_fn)
     terms = exact_kl_terms(base_logits, now, contexts.temperature)
     return terms.sum(), terms.numel()
