@@ -127,7 +127,7 @@ def attach_logra(
 ) -> LoGRACallback:
     """Make ``trainer`` train with :class:`LoGRAOptimizer`; call before ``trainer.train()``.
 
-    ``optimizer_kwargs`` go to :class:`LoGRAOptimizer` (``rank``, ``kl_budget``, ``optimizer``,
+    ``optimizer_kwargs`` go to :class:`LoGRAOptimizer` (``rank``, ``kl_budget``, ``direction``,
     ``update_ratio`` …). The KL probe's temperature defaults to the trainer's sampling temperature.
     The model is patched here if it is not already (``target_modules`` as in :func:`patch_model`),
     which covers trainers that built the model from a model id. The trainer's learning-rate
@@ -135,6 +135,8 @@ def attach_logra(
     trainer's default linear decay, which would take the step to zero by the end of training (and
     with KL control, the KL per update once ``alpha_max`` binds), is replaced by a constant schedule
     unless ``keep_lr_schedule=True`` (any other ``lr_scheduler_type`` is the user's choice and kept).
+    Under DeepSpeed the schedule drives the engine's optimizer of the non-targets only; LoGRA runs
+    beside it with a constant ``update_ratio``.
     ``max_grad_norm`` is disabled (no dense gradient exists to clip; the step size is set by
     ``kl_budget``/``update_ratio``). Returns the callback that logs LoGRA's statistics.
 

@@ -1,4 +1,4 @@
-"""Projections ``A`` (METHOD.md §1): scale, unbiasedness, and bit-exact regeneration.
+"""Projections ``A`` (docs/method.md §1): scale, unbiasedness, and bit-exact regeneration.
 
 Every party that needs ``A`` (the patched layer, the merge, another rank, the rollout engine, a
 resumed run) regenerates it from ``(seed, update index, module name)``; any drift between them

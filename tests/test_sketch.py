@@ -1,4 +1,4 @@
-"""Sketch accumulation inside backward (METHOD.md §1): ``S += gᵀ (x Aᵀ)`` equals ``G Aᵀ`` with
+"""Sketch accumulation inside backward (docs/method.md §1): ``S += gᵀ (x Aᵀ)`` equals ``G Aᵀ`` with
 ``G = gᵀ x`` computed densely in float64, without ever saving ``x`` or forming a d×k gradient."""
 
 from __future__ import annotations

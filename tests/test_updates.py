@@ -1,4 +1,4 @@
-"""The update math of METHOD.md §2 (``logra_optim.updates``) against float64 dense references."""
+"""The update math of docs/method.md §2 (``logra_optim.updates``) against float64 dense references."""
 
 from __future__ import annotations
 

@@ -38,6 +38,8 @@ __all__ = ["EXTENSION", "EngineUpdater", "LoGRAWorkerExtension", "engine_placeme
 
 # What vLLM imports in its workers: must name the class below (a test resolves it).
 EXTENSION = "logra_optim.integrations.vllm.engine.LoGRAWorkerExtension"
+# The same class by the path it had before the adapter became a package (still resolves).
+LEGACY_EXTENSION = "logra_optim.integrations.vllm.LoGRAWorkerExtension"
 
 
 def engine_placements(model: nn.Module) -> dict[str, Placement]:

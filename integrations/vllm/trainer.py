@@ -35,7 +35,7 @@ from logra_optim.sync import (
 )
 
 from . import wire
-from .engine import EXTENSION, LoGRAWorkerExtension
+from .engine import EXTENSION, LEGACY_EXTENSION, LoGRAWorkerExtension
 
 __all__ = ["VLLMSync"]
 
@@ -55,7 +55,7 @@ class _Colocated:
         # By name when the workers have the extension (works across processes); otherwise the
         # functions themselves, which vLLM runs only in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0,
         # TRL's colocate mode) unless VLLM_ALLOW_INSECURE_SERIALIZATION=1 lets it pickle them.
-        self.by_name = extension == EXTENSION
+        self.by_name = extension in (EXTENSION, LEGACY_EXTENSION)
 
     def call(self, method: str, *args) -> list:
         return self.llm.collective_rpc(method if self.by_name else getattr(LoGRAWorkerExtension, method), args=args)

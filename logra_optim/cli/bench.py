@@ -9,7 +9,7 @@ Methods (all on the same model, batch and loss; ``--rank`` is shared by the low-
                        modules, AdamW on the adapters, base weights frozen.
     ``galore``         ``galore_torch.GaLoreAdamW``: rank-``r`` GaLore on the target weights (projection
                        refreshed every 200 steps, scale 0.25, as its README), plain AdamW on the rest.
-    ``logra-sgd``      ``LoGRAOptimizer(patch_model(model), rank=r, optimizer="sgd")``.
+    ``logra-sgd``      ``LoGRAOptimizer(patch_model(model), rank=r, direction="sgd")``.
     ``logra-rowadam``  the same with RowAdam, at ``--rank`` and each rank of ``--ranks``.
     Dense optimizers use the paper's control settings (lr 1e-6, betas 0.9/0.95).
 
@@ -139,7 +139,7 @@ def make_optimizer(model, method: str, rank: int, kl_budget: float | None = None
     """The optimizer of ``method`` (and the model it trains: LoRA wraps it)."""
     if method.startswith("logra-"):
         optimizer = LoGRAOptimizer(
-            patch_model(model), rank=rank, optimizer=method.removeprefix("logra-"), kl_budget=kl_budget
+            patch_model(model), rank=rank, direction=method.removeprefix("logra-"), kl_budget=kl_budget
         )
         return model, optimizer
     targets = find_target_modules(model)

@@ -2,7 +2,7 @@
 
 Run as ``torchrun --nproc_per_node 2 -m tests.distributed_workers.grpo_distributed ENGINE OUT`` from the
 repository root, with ENGINE ``ddp``, ``zero2`` or ``zero3``. DDP: ``use_cpu=True`` under torchrun.
-DeepSpeed, with the CPU workaround of ENVIRONMENT.md: ``ACCELERATE_USE_DEEPSPEED=true``, a gloo
+DeepSpeed, with the CPU workaround of docs/distributed.md: ``ACCELERATE_USE_DEEPSPEED=true``, a gloo
 ``PartialState`` created before the config, ``use_cpu=False`` and
 ``accelerator_config={"use_configured_state": True}``. The final norm is trained too (DDP and
 DeepSpeed refuse a model without a trainable parameter): by LoGRA's ``non_target_optimizer`` under

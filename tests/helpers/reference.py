@@ -1,5 +1,5 @@
 """Float64 references: each formula of the method transcribed literally, once, for every test that
-checks the implementation against it (METHOD.md §1 sketch, §2 RowAdam / step size / merge, §3 KL).
+checks the implementation against it (docs/method.md §1 sketch, §2 RowAdam / step size / merge, §3 KL).
 
 They favour the obvious form over the careful one (dense products, no chunking, no guards against
 zero rows): only the inputs the tests give them need to work.
