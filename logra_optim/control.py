@@ -71,10 +71,16 @@ class KLController:
             ranks' probe positions, and every rank keeps the same κ.
         fsdp2: the modules ``fully_shard`` was applied to, resharded after every probe forward (FSDP2
             keeps the root unsharded after a forward outside backward; a merge writes into the shards).
+        stored_low_precision: some target weights are stored in 16 bits.
     """
 
     def __init__(
-        self, model: nn.Module, options: KLOptions, ranks: dp.DataParallel | None, fsdp2: Sequence[nn.Module] = ()
+        self,
+        model: nn.Module,
+        options: KLOptions,
+        ranks: dp.DataParallel | None,
+        fsdp2: Sequence[nn.Module] = (),
+        stored_low_precision: bool = False,
     ):
         self.model = model
         self.options = options
@@ -82,6 +88,8 @@ class KLController:
         self.mismatch = 0.0  # κ
         self._ranks, self._fsdp2 = ranks, list(fsdp2)
         self._explicit: ProbeContexts | None = None
+        self._warned_precision = False
+        self._stored_low_precision = stored_low_precision  # already warned about at construction
         self._recorder = ContextRecorder(model, options.probe_samples, options.temperature) if options.enabled else None
 
     def close(self) -> None:
@@ -182,6 +190,7 @@ class KLController:
         q = total / max(tokens, 1)
         if not math.isfinite(q) or q < 0:
             raise UpdateSkipped(f"predicted KL q={q} at update {update}", "probe")
+        self._warn_if_low_precision(targets)
         alpha = step_scale(q, budget_eff, options.alpha_max)
         stats = {
             "predicted_kl": q,
@@ -193,6 +202,25 @@ class KLController:
             "probe_seconds": time.perf_counter() - started,
         }
         return StepChoice(alpha, stats, contexts, base, budget_eff, update)
+
+    def _warn_if_low_precision(self, targets: Sequence[TargetState]) -> None:
+        """Once, if the probe forward computed in 16 bits while the weights are stored wider (e.g.
+        FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)``): a realistic step changes the logits by
+        less than their rounding, which the finite-difference probe and the realised-KL check would
+        measure instead of the step. (16-bit storage is warned about at construction.)"""
+        if self._warned_precision or not (self.options.probe == "finite_difference" or self.options.realised_kl_check):
+            return
+        low = {t.probe_compute_dtype for t in targets} & {torch.bfloat16, torch.float16}
+        if low and not self._stored_low_precision:
+            self._warned_precision = True
+            warnings.warn(
+                f"LoGRA: the KL probe's forward computed in {sorted(map(str, low))} although the target weights are "
+                "stored in higher precision (e.g. FSDP2 MixedPrecisionPolicy(param_dtype=bf16)): the finite-difference "
+                "probe and the realised-KL check compare logits whose rounding is of the size of a small step's "
+                "change. Prefer probe='jvp' without realised_kl_check, or compute in fp32",
+                RuntimeWarning,
+                stacklevel=6,
+            )
 
     def check_realised(self, choice: StepChoice, apply: Callable[[float], None], undo: Callable[[], None]) -> float:
         """After ``apply(choice.alpha)``: measure the true KL on the probe contexts; while it misses the
@@ -234,7 +262,7 @@ class KLController:
                 f"LoGRA: realised KL {realised:.3g} exceeds the budget {choice.budget:.3g} after "
                 f"{options.realised_kl_retries} retries",
                 RuntimeWarning,
-                stacklevel=4,
+                stacklevel=6,  # user → torch's step wrapper → no_grad → step → _apply → here
             )
         stats["alpha_after_check"] = alpha
         stats["predicted_step_kl"] = alpha**2 * stats["predicted_kl"]

@@ -238,7 +238,8 @@ class LocalWeight:
 
     def __init__(self, weight: torch.Tensor, layout: WeightLayout):
         self.weight, self.layout = weight, layout
-        self._merged: torch.Tensor | None = None  # ZeRO-3: the latest merged factor (see restore)
+        # The factor of the latest merge, kept when asked (merge hooks) and for ZeRO-3 (see restore).
+        self.last_factor: torch.Tensor | None = None
 
     @property
     def sharded(self) -> bool:
@@ -260,11 +261,12 @@ class LocalWeight:
         local = local_sq_norm(self.weight, self.layout)
         return local / self.layout.holders if self.sharded else local
 
-    def merge_(self, factor: torch.Tensor, projection: torch.Tensor, **rounding) -> None:
-        """``W ← W − F A`` on the stored part (``rounding``: :func:`~.updates.merge_low_rank_` options)."""
+    def merge_(self, factor: torch.Tensor, projection: torch.Tensor, keep: bool = False, **rounding) -> None:
+        """``W ← W − F A`` on the stored part (``rounding``: :func:`~.updates.merge_low_rank_` options);
+        ``keep``: remember ``F`` as :attr:`last_factor` until :meth:`forget_merge`."""
         layout, local, gathered = self.layout, self.local(), self.gathered()
-        if layout.kind == FLAT:
-            self._merged = factor
+        if keep or layout.kind == FLAT:
+            self.last_factor = factor
         if gathered is not None:  # the partition is a slice of the gathered matrix
             merge_low_rank_(gathered, factor, projection, **rounding)
             local.copy_(gathered.view(-1)[layout.start : layout.stop])
@@ -290,11 +292,11 @@ class LocalWeight:
         if gathered_backup is not None:
             gathered.copy_(gathered_backup)
         else:  # gathered by DeepSpeed since the backup, from the merged partitions: undo the merge
-            merge_low_rank_(gathered, -self._merged, projection, stochastic_rounding=False)
+            merge_low_rank_(gathered, -self.last_factor, projection, stochastic_rounding=False)
             gathered.view(-1)[self.layout.start : self.layout.stop] = local_backup  # this rank's part exactly
 
     def forget_merge(self) -> None:
-        self._merged = None
+        self.last_factor = None
 
 
 # --------------------------------------------------------------------------------------------------

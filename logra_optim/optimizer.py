@@ -57,9 +57,9 @@ class StepPlan:
     steps: list[TargetStep]
     eta: float
 
-    def factors(self, alpha: float = 1.0) -> list[torch.Tensor]:
-        """``F = α η U`` per target."""
-        return [step.direction * (alpha * self.eta) for step in self.steps]
+    def factors(self) -> list[torch.Tensor]:
+        """``F = η U`` per target: the unit step (α = 1) the KL probe measures."""
+        return [step.direction * self.eta for step in self.steps]
 
 
 class LoGRAOptimizer(torch.optim.Optimizer):
@@ -192,11 +192,11 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self._ranks = None if group is None else dp.DataParallel(group)
         self._fsdp2 = dp.fsdp2_modules(model)
         self._merge_hooks: OrderedDict[int, Callable[[LoGRAOptimizer, Update], None]] = OrderedDict()
-        self._merged: dict[int, torch.Tensor] = {}  # the latest update's F per target, while hooks listen
         defaults = dict(lr=step_size, lr_mode=lr_mode, direction=options.direction, beta2=beta2, eps=eps)
         super().__init__([t.weight for t in targets], defaults)
         self.non_target_optimizer = self._build_non_target_optimizer(non_target_optimizer)
-        self.kl_control = KLController(model, kl, self._ranks, self._fsdp2)
+        stored_16_bit = any(t.weight.dtype in (torch.bfloat16, torch.float16) for t in targets)
+        self.kl_control = KLController(model, kl, self._ranks, self._fsdp2, stored_16_bit)
 
         self.update_index = 0  # applied updates so far
         self.nonfinite_skips = 0
@@ -356,7 +356,6 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         for step in plan.steps:
             self.state[group["params"][step.index]].update(step.state)
         update = self._merged_update() if self._merge_hooks else None
-        self._merged = {}
         for weight in self._weights:
             weight.forget_merge()
         self.update_index += 1
@@ -391,7 +390,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             steps.append(TargetStep(index, direction, state))
             if group["lr_mode"] == "update_ratio":
                 if sharded_sq is None or not weight.sharded:  # the whole weight is on this rank
-                    weight_sq.append(dp.local_sq_norm(weight.weight, weight.layout))
+                    weight_sq.append(weight.sq_norm())
                 update_sq.append(low_rank_sq_norm(direction, target.state.projection))
         if group["lr_mode"] == "lr":
             return StepPlan(steps, group["lr"])
@@ -420,11 +419,14 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             return control.check_realised(choice, lambda alpha: self._merge(plan, alpha), undo), choice.stats
         except BaseException:
             undo()
+            for weight in self._weights:
+                weight.forget_merge()
             raise
 
     def _merge(self, plan: StepPlan, alpha: float) -> None:
-        for step, factor in zip(plan.steps, plan.factors(alpha)):
+        for step in plan.steps:  # one factor at a time: all of them would weigh as much as the sketches
             target, weight = self._targets[step.index], self._weights[step.index]
+            factor = step.direction * (alpha * plan.eta)
             if self.options.wire_dtype is not None:
                 factor = factor.to(self.options.wire_dtype)
             generator, local = None, weight.local()
@@ -432,25 +434,26 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 generator = torch.Generator(device=local.device)
                 generator.manual_seed(projection_seed(self.seed, self.update_index, "rounding/" + target.name))
             weight.merge_(
-                factor,
+                factor.contiguous(),
                 target.state.projection,
+                keep=bool(self._merge_hooks),
                 stochastic_rounding=self.options.stochastic_rounding,
                 generator=generator,
             )
-            if self._merge_hooks:
-                self._merged[step.index] = factor.contiguous()
 
     def _merged_update(self) -> Update:
         """The update just merged (called before the update counter advances)."""
         targets = tuple(
-            TargetUpdate(target.parameter_name, self.projection_seed(index), target.shape[1], self._merged[index])
-            for index, target in enumerate(self._targets)
+            TargetUpdate(target.parameter_name, self.projection_seed(index), target.shape[1], weight.last_factor)
+            for index, (target, weight) in enumerate(zip(self._targets, self._weights))
         )
         return Update(self.update_index + 1, targets)
 
+    # Warnings raised during step() point at the caller: through torch's step wrapper, the no_grad
+    # decorator and step() itself.
     def _skip(self, why: str, reason: str) -> None:
         warnings.warn(
-            f"LoGRA: {why}; update skipped, weights and optimizer state unchanged", RuntimeWarning, stacklevel=3
+            f"LoGRA: {why}; update skipped, weights and optimizer state unchanged", RuntimeWarning, stacklevel=5
         )
         self.zero_grad()
         self.stats = {"skipped": reason, **self._counters()}
@@ -470,7 +473,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             "LoGRA: step() with empty sketches while the model is in eval mode: patched layers accumulate "
             "sketches only in train mode with grad enabled; call model.train() before the training forward",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=5,
         )
 
     # ----------------------------------------------------------------------------------------------
@@ -501,10 +504,6 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         return self._ranks.synchronise(
             self._bank.flat_buffers(), self._fingerprint(), _total(sharded), self._local_all_finite()
         )
-
-    def _reduce(self, *values: float) -> list[float]:
-        """Sum scalars over the ranks (identity in a single process)."""
-        return [float(v) for v in values] if self._ranks is None else self._ranks.sum(*values)
 
     def _local_all_finite(self) -> bool:
         """Non-target gradients on this rank (FSDP2 shards: the local part)."""

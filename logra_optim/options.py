@@ -162,12 +162,13 @@ def check_targets(targets: Sequence[Target], step: StepOptions, kl: KLOptions) -
         if target.weight.requires_grad:
             raise ValueError(f"target {target.name!r} has requires_grad=True; LoGRA targets must stay frozen")
         if target.weight.dtype == torch.float16:
-            warnings.warn(
-                f"target {target.name!r} is stored in float16: updates below half an ulp are lost. "
-                "Keep fp32 master weights (or bf16, which is stochastically rounded).",
-                stacklevel=3,
+            raise ValueError(
+                f"target {target.name!r} is stored in float16, which LoGRA does not train: updates below half an "
+                "ulp are lost, and fp16 training needs loss scaling, which cannot reach LoGRA's sketches (they are "
+                "not .grad). Keep fp32 master weights with bf16 autocast, or store the targets in bf16 (merged with "
+                "stochastic rounding)"
             )
-    low_precision = any(t.weight.dtype in (torch.bfloat16, torch.float16) for t in targets)
+    low_precision = any(t.weight.dtype == torch.bfloat16 for t in targets)
     if kl.enabled and low_precision and (kl.probe == "finite_difference" or kl.realised_kl_check):
         warnings.warn(
             "16-bit target weights: the finite-difference probe and the realised-KL check compare logits "

@@ -65,6 +65,9 @@ class TargetState:
     # Set only while a KL probe runs: the proposed update is ``−probe_factor · A``.
     probe_factor: torch.Tensor | None = None
     probe_mode: str = "tangent"
+    # The dtype the latest probe forward computed this layer in (its input's): under FSDP2's
+    # MixedPrecisionPolicy it is bf16 although the stored weight is fp32.
+    probe_compute_dtype: torch.dtype | None = None
     # Casts of ``projection`` to activation dtypes, rebuilt whenever the projection changes.
     _projection_casts: dict = field(default_factory=dict)
 

@@ -129,6 +129,7 @@ def low_rank_delta(x: torch.Tensor, projection: torch.Tensor, factor: torch.Tens
 
 def perturbed_linear(module: nn.Linear, x: torch.Tensor, target) -> torch.Tensor:
     """The forward of a patched linear while a probe runs (see the module docstring)."""
+    target.probe_compute_dtype = fwAD.unpack_dual(x)[0].dtype
     if target.probe_mode == "branch":
         y = F.linear(x, module.weight, module.bias)
         return y + low_rank_delta(x, target.projection, target.probe_factor).to(y.dtype)

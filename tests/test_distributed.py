@@ -188,6 +188,7 @@ def test_guards_and_rank_summed_scalars(tmp_path):
         # Not one collective per layer: one flat all-reduce (one buffer: all on one device), one
         # all-gather of scalars, and with KL control one all-reduce of the probe's sums.
         assert seen["sketch_buffers_plain"] == 1
+        assert any("computed in ['torch.bfloat16']" in message for message in seen["fsdp2_bf16_compute"]), rank
         assert seen["collectives_plain"] == {"all_reduce": 1, "all_gather": 1}
         assert seen["collectives_kl"] == {"all_reduce": 2, "all_gather": 1}
 

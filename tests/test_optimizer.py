@@ -326,9 +326,9 @@ def test_unfrozen_target_weight_is_rejected(tiny):
         LoGRAOptimizer(tiny, rank=4, non_target_optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
 
 
-def test_fp16_target_weights_warn():
+def test_fp16_target_weights_are_refused():
     model = patch_model(OneLinear(8, 8).half(), target_modules=["proj"])
-    with pytest.warns(UserWarning, match=r"'proj' is stored in float16"):
+    with pytest.raises(ValueError, match=r"'proj' is stored in float16.*bf16"):
         LoGRAOptimizer(model, rank=2)
 
 

@@ -112,6 +112,23 @@ def main() -> None:
     ref.step()
     results["q_reference"] = ref.stats["predicted_kl"]
 
+    # FSDP2 computing in bf16 over fp32 shards (MixedPrecisionPolicy): the finite-difference probe
+    # would measure bf16 rounding, and says so although the stored weights are fp32.
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = frozen_model()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    opt = LoGRAOptimizer(model, rank=4, kl_budget=1e-3, update_ratio=1e-2, probe="finite_difference")
+    model(**BATCH).loss.backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    results["fsdp2_bf16_compute"] = [str(w.message) for w in caught]
+    del opt
+
     # Collectives per step: one all-reduce of the flat sketch buffer and one all-gather of the
     # scalars; KL control adds one all-reduce of (Σq, tokens). Counted by wrapping torch.distributed.
     counts = {}
