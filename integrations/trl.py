@@ -34,7 +34,7 @@ from transformers.trainer_utils import SchedulerType
 
 from logra_optim import LoGRAOptimizer, patch_model, patched_modules
 
-__all__ = ["attach_logra", "LoGRACallback"]
+__all__ = ["attach_logra", "LoGRACallback", "mismatch_mask"]
 
 LOGRA_STATE_NAME = "logra_optimizer.pt"  # LoGRA's state in a checkpoint, under DeepSpeed
 
@@ -161,7 +161,8 @@ def attach_logra(
         raise ValueError(
             f"attach_logra: vllm_sync must be 'compressed', 'full' or a dict of VLLMSync options, got {vllm_sync!r}"
         )
-    if trainer.args.fp16 or _deepspeed_fp16(trainer):
+    mixed_precision = getattr(getattr(trainer, "accelerator", None), "mixed_precision", None)
+    if trainer.args.fp16 or mixed_precision == "fp16" or _deepspeed_fp16(trainer):
         raise ValueError(
             "attach_logra: fp16 mixed precision is not supported: loss scaling multiplies LoGRA's sketches, which "
             "are not .grad, so no scaler can unscale them or detect their overflow. Use bf16=True (bf16 autocast "
@@ -194,13 +195,15 @@ def attach_logra(
 
     deepspeed = getattr(trainer, "is_deepspeed_enabled", False)  # then LoGRA runs beside the engine, unscheduled
     if not deepspeed and not keep_lr_schedule and trainer.args.lr_scheduler_type == SchedulerType.LINEAR:
+        warmup = bool(getattr(trainer.args, "warmup_steps", 0) or getattr(trainer.args, "warmup_ratio", 0))
+        constant = SchedulerType.CONSTANT_WITH_WARMUP if warmup else SchedulerType.CONSTANT
         warnings.warn(
             "attach_logra: the trainer's default linear learning-rate decay would scale LoGRA's update_ratio down "
-            "to 0 by the end of training; using a constant schedule instead (attach_logra(keep_lr_schedule=True) "
-            "keeps the linear decay; any other lr_scheduler_type is kept as given)",
+            f"to 0 by the end of training; using lr_scheduler_type={constant.value!r} instead "
+            "(attach_logra(keep_lr_schedule=True) keeps the linear decay; any other lr_scheduler_type is kept)",
             stacklevel=2,
         )
-        trainer.args.lr_scheduler_type = SchedulerType.CONSTANT
+        trainer.args.lr_scheduler_type = constant
 
     callback = LoGRACallback(trainer)
     if deepspeed:
@@ -353,13 +356,13 @@ def _feed_mismatch_from_batches(trainer: Trainer, callback: LoGRACallback) -> No
             rollout, current = inputs.get("sampling_per_token_logps"), inputs.get("old_per_token_logps")
             mask = inputs.get("completion_mask")
             if rollout is not None and current is not None and mask is not None:
-                callback.mismatch_samples.append((rollout.detach(), current.detach(), _mismatch_mask(trainer, inputs)))
+                callback.mismatch_samples.append((rollout.detach(), current.detach(), mismatch_mask(trainer, inputs)))
         return compute_loss(model, inputs, *args, **kwargs)
 
     trainer.compute_loss = compute_loss_recording_mismatch
 
 
-def _mismatch_mask(trainer: Trainer, inputs: dict) -> torch.Tensor:
+def mismatch_mask(trainer: Trainer, inputs: dict) -> torch.Tensor:
     """Generated tokens of completed responses (docs/method.md §3): the completion mask, without tool
     output tokens, restricted to completions that ended with an EOS token (truncated ones are
     not samples of the full policy's stopping behaviour)."""

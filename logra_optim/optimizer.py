@@ -36,7 +36,7 @@ from .patching import TargetState, patched_modules, target_state
 from .probe import LogitsFn
 from .projection import make_projection, projection_seed
 from .sketch import SketchBank
-from .sync import TargetUpdate, Update
+from .sync import TargetUpdate, Update, rounding_seed
 from .target import Target
 from .updates import low_rank_sq_norm, next_direction, relative_step_size
 
@@ -432,7 +432,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             generator, local = None, weight.local()
             if local.dtype == torch.bfloat16 and self.options.stochastic_rounding:
                 generator = torch.Generator(device=local.device)
-                generator.manual_seed(projection_seed(self.seed, self.update_index, "rounding/" + target.name))
+                # Derived from what a sync payload carries, so a bf16 engine can draw the same noise.
+                generator.manual_seed(rounding_seed(self.projection_seed(step.index), self.update_index + 1))
             weight.merge_(
                 factor.contiguous(),
                 target.state.projection,
@@ -444,10 +445,22 @@ class LoGRAOptimizer(torch.optim.Optimizer):
     def _merged_update(self) -> Update:
         """The update just merged (called before the update counter advances)."""
         targets = tuple(
-            TargetUpdate(target.parameter_name, self.projection_seed(index), target.shape[1], weight.last_factor)
+            TargetUpdate(
+                target.parameter_name,
+                self.projection_seed(index),
+                target.shape[1],
+                weight.last_factor,
+                self._rounding(weight.local().dtype),
+            )
             for index, (target, weight) in enumerate(zip(self._targets, self._weights))
         )
         return Update(self.update_index + 1, targets)
+
+    def _rounding(self, dtype: torch.dtype) -> str:
+        """How a merge into a weight of ``dtype`` rounds (see :mod:`.sync`)."""
+        if dtype in (torch.float32, torch.float64):
+            return "exact"
+        return "stochastic" if dtype == torch.bfloat16 and self.options.stochastic_rounding else "nearest"
 
     # Warnings raised during step() point at the caller: through torch's step wrapper, the no_grad
     # decorator and step() itself.

@@ -267,8 +267,12 @@ def _chunkable_head(model: nn.Module, contexts: ProbeContexts) -> tuple[nn.Modul
     if model not in _HEAD_REPRODUCES_LOGITS:
         decoder, head = split
         # One sequence, compared at a position it attends from (padding can sit on either side).
-        one = ProbeContexts(contexts.input_ids[:1], _first_row(contexts.attention_mask), contexts.probe_mask[:1])
-        position = int(one.attention_mask[0].nonzero()[-1]) if one.attention_mask is not None else -1
+        row = 0 if contexts.attention_mask is None else int(contexts.attention_mask.any(dim=1).int().argmax())
+        mask = None if contexts.attention_mask is None else contexts.attention_mask[row : row + 1]
+        one = ProbeContexts(contexts.input_ids[row : row + 1], mask, contexts.probe_mask[row : row + 1])
+        if mask is not None and not bool(mask.any()):
+            return None  # nothing attended anywhere: no position to compare, take the full path
+        position = int(mask[0].nonzero()[-1]) if mask is not None else -1
         with inference_environment(model):
             logits = default_logits_fn(model, one)[0, position].float()
             output = decoder(input_ids=one.input_ids, attention_mask=one.attention_mask, use_cache=False)
@@ -295,10 +299,6 @@ def _chunked_head_kl_terms(decoder, head: nn.Linear, contexts: ProbeContexts) ->
         logits = F.linear(primal[rows], head.weight, head.bias)
         terms.append(fisher_kl_terms(logits, F.linear(tangent[rows], head.weight), contexts.temperature))
     return torch.cat(terms)
-
-
-def _first_row(mask: torch.Tensor | None) -> torch.Tensor | None:
-    return None if mask is None else mask[:1]
 
 
 def jvp_predicted_kl(

@@ -11,7 +11,7 @@ Format, version 1 (``PAYLOAD_VERSION``). :meth:`SyncPayload.encode` writes a pla
 ``torch.save``; only tensors, numbers and strings, so ``torch.load(weights_only=True)`` reads it::
 
     {
-      "format": "logra-sync", "version": 1,
+      "format": "logra-sync", "version": 2,
       "rank": r, "projection": "rademacher" | "gaussian",
       "updates": [                       # consecutive update indices, oldest first
         {"index": u,                     # the optimizer's update counter after this update (1-based)
@@ -19,13 +19,21 @@ Format, version 1 (``PAYLOAD_VERSION``). :meth:`SyncPayload.encode` writes a pla
            {"name": "model.layers.0.self_attn.q_proj.weight",  # the HF parameter name
             "seed": s,                   # projection seed of this target for this update (63-bit)
             "in_features": k,
-            "factor": F},                # d×r, the wire dtype (bf16 by default), contiguous
+            "factor": F,                 # d×r, the wire dtype (bf16 by default), contiguous
+            "rounding": "exact" | "stochastic" | "nearest"},  # how the trainer's copy absorbed it
+
            ...]},
         ...]
     }
 
 ``A = make_projection(seed, r, in_features, projection)``: bit-identical on every machine (see
 :mod:`.projection`), so the seed is all the engine needs to rebuild it.
+
+``rounding`` says how the trainer's own copy of the weight absorbed the update, so that an engine
+holding 16-bit weights can follow it (:func:`merge_like_trainer_`): ``"exact"`` (fp32 master
+weights: the engine keeps a compensation buffer so that nothing is rounded away), ``"stochastic"``
+(bf16 weights rounded stochastically with the seed :func:`rounding_seed`: the engine draws the
+same noise) or ``"nearest"``. Version 1 payloads had no ``rounding`` and are refused.
 """
 
 from __future__ import annotations
@@ -37,9 +45,11 @@ from dataclasses import dataclass
 import torch
 
 from .projection import PROJECTIONS, make_projection
+from .updates import merge_low_rank_, merge_low_rank_compensated_
 
 PAYLOAD_FORMAT = "logra-sync"
-PAYLOAD_VERSION = 1
+PAYLOAD_VERSION = 2
+ROUNDINGS = ("exact", "stochastic", "nearest")
 _MAX_SEED = 2**63
 
 
@@ -55,6 +65,7 @@ class TargetUpdate:
     seed: int
     in_features: int
     factor: torch.Tensor
+    rounding: str = "exact"
 
     @property
     def out_features(self) -> int:
@@ -103,7 +114,13 @@ class SyncPayload:
                 {
                     "index": u.index,
                     "targets": [
-                        {"name": t.name, "seed": t.seed, "in_features": t.in_features, "factor": t.factor}
+                        {
+                            "name": t.name,
+                            "seed": t.seed,
+                            "in_features": t.in_features,
+                            "factor": t.factor,
+                            "rounding": t.rounding,
+                        }
                         for t in u.targets
                     ],
                 }
@@ -125,7 +142,9 @@ class SyncPayload:
                 Update(
                     int(u["index"]),
                     tuple(
-                        TargetUpdate(str(t["name"]), int(t["seed"]), int(t["in_features"]), t["factor"])
+                        TargetUpdate(
+                            str(t["name"]), int(t["seed"]), int(t["in_features"]), t["factor"], str(t["rounding"])
+                        )
                         for t in u["targets"]
                     ),
                 )
@@ -192,11 +211,52 @@ def _validate(payload: SyncPayload) -> None:
                 raise PayloadError(f"{where}: seed {target.seed} is outside [0, 2**63)")
             if not bool(torch.isfinite(factor).all()):
                 raise PayloadError(f"{where}: factor is not finite")
+            if target.rounding not in ROUNDINGS:
+                raise PayloadError(f"{where}: rounding must be one of {ROUNDINGS}, got {target.rounding!r}")
 
 
 def projection_of(payload: SyncPayload, target: TargetUpdate, device=None) -> torch.Tensor:
     """``A`` (r×k, fp32) of one target update: the matrix the trainer merged with."""
     return make_projection(target.seed, payload.rank, target.in_features, payload.projection, device=device)
+
+
+def rounding_seed(projection_seed: int, update_index: int) -> int:
+    """Seed of the stochastic rounding of one target's merge in update ``update_index`` (1-based):
+    derived from what the payload carries, so that an engine can draw the trainer's noise."""
+    return (projection_seed * 0x9E3779B97F4A7C15 + update_index * 0xBF58476D1CE4E5B9) % _MAX_SEED
+
+
+def merge_like_trainer_(
+    weight: torch.Tensor,
+    target: TargetUpdate,
+    projection: torch.Tensor,
+    update_index: int,
+    compensation: torch.Tensor | None = None,
+    factor_rows: slice = slice(None),
+) -> None:
+    """Apply one target update to an engine's copy of (rows of) the weight as the trainer applied it
+    to its own: ``W[rows] ← W[rows] − F[factor_rows] A``.
+
+    A 32/64-bit copy is merged exactly. A 16-bit copy follows the trainer's rounding: its
+    stochastic rounding with the same seed (bit-identical when the copy holds the whole matrix on
+    the same kind of device), its rounding to nearest, or, for an ``"exact"`` (fp32-master) trainer,
+    Kahan summation through ``compensation`` (same shape and dtype as ``weight``; required then).
+    """
+    factor = target.factor.to(weight.device)[factor_rows]
+    if weight.dtype in (torch.float32, torch.float64):
+        merge_low_rank_(weight, factor, projection)
+    elif target.rounding == "exact":
+        if compensation is None:
+            raise ValueError(f"{target.name!r}: a 16-bit copy of an fp32-master trainer needs a compensation buffer")
+        merge_low_rank_compensated_(weight, compensation, factor, projection)
+    else:
+        generator = None
+        if target.rounding == "stochastic":
+            generator = torch.Generator(device=weight.device)
+            generator.manual_seed(rounding_seed(target.seed, update_index))
+        merge_low_rank_(
+            weight, factor, projection, stochastic_rounding=target.rounding == "stochastic", generator=generator
+        )
 
 
 def full_sync_bytes(shapes: list[tuple[int, int]], dtype: torch.dtype = torch.bfloat16) -> int:
@@ -251,7 +311,7 @@ class UpdateRecorder:
 
     def _record(self, optimizer, update: Update) -> None:
         targets = tuple(
-            TargetUpdate(self.rename(t.name), t.seed, t.in_features, t.factor.detach().to("cpu"))
+            TargetUpdate(self.rename(t.name), t.seed, t.in_features, t.factor.detach().to("cpu"), t.rounding)
             for t in update.targets
         )
         self.pending.append(Update(update.index, targets))

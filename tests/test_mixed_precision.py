@@ -38,7 +38,9 @@ def _unit_step_factors(opt: LoGRAOptimizer, update_ratio: float) -> list[torch.T
 @pytest.mark.parametrize("probe", ["jvp", "finite_difference"])
 def test_probe_ignores_accelerate_bf16_autocast_wrapper(bf16_accelerator, probe):
     model = patch_model(tiny_qwen2(seed=3))
-    opt = LoGRAOptimizer(model, rank=4, kl_budget=1e-4, probe=probe, wire_dtype=None)
+    # With the realised-KL check the JVP probe also runs the model's own forward (full logits),
+    # which is what accelerate wraps; without it, it would call the decoder directly.
+    opt = LoGRAOptimizer(model, rank=4, kl_budget=1e-4, probe=probe, wire_dtype=None, realised_kl_check=True)
     model.train()
     model(**fixed_batch()).loss.backward()
     factors = _unit_step_factors(opt, 6e-5)
@@ -133,46 +135,77 @@ def test_grpo_with_bf16_autocast_keeps_each_update_on_budget(tmp_path, probe):
         assert entry["logra/realised_kl"] == pytest.approx(budget, rel=0.15)
 
 
-def test_bf16_engine_copy_follows_200_real_updates_with_compensation():
-    """A rollout engine holding bf16 weights, updated in place with the factors the trainer sends:
-    rounded to nearest, updates of ~6e-5 of a weight (< half an ulp) vanish; with a compensation
-    buffer the copy stays within one bf16 rounding of the fp32 master."""
+def _engine_copies(opt: LoGRAOptimizer, dtype: torch.dtype) -> dict:
+    """16-bit engine copies of the targets, updated from the factors the trainer sends, with the
+    function the vLLM engine applies them with (and, for comparison, rounded to nearest)."""
     from logra_optim.projection import make_projection
-    from logra_optim.updates import merge_low_rank_, merge_low_rank_compensated_
+    from logra_optim.sync import merge_like_trainer_
+    from logra_optim.updates import merge_low_rank_
 
-    model = patch_model(tiny_qwen2(seed=7))
-    opt = LoGRAOptimizer(model, rank=4, update_ratio=6e-5)
-    names = [t.parameter_name for t in opt.targets]
-    start = {t.parameter_name: t.weight.detach().clone() for t in opt.targets}
-    nearest = {name: w.bfloat16() for name, w in start.items()}
-    compensated = {name: w.bfloat16() for name, w in start.items()}
-    compensation = {name: torch.zeros_like(w) for name, w in compensated.items()}
+    start = {t.parameter_name: t.weight.detach().float().clone() for t in opt.targets}
+    copies = {
+        "start": start,
+        "engine": {name: w.to(dtype) for name, w in start.items()},
+        "nearest": {name: w.to(dtype) for name, w in start.items()},
+        "compensation": {name: torch.zeros(w.shape, dtype=dtype) for name, w in start.items()},
+    }
 
     def apply(optimizer, update):
         for target in update.targets:
             projection = make_projection(target.seed, optimizer.rank, target.in_features, optimizer.projection)
-            merge_low_rank_(nearest[target.name], target.factor, projection, stochastic_rounding=False)
-            merge_low_rank_compensated_(compensated[target.name], compensation[target.name], target.factor, projection)
+            merge_like_trainer_(
+                copies["engine"][target.name], target, projection, update.index, copies["compensation"][target.name]
+            )
+            merge_low_rank_(copies["nearest"][target.name], target.factor, projection, stochastic_rounding=False)
 
     opt.register_merge_hook(apply)
+    return copies
+
+
+def _train(model, opt, steps: int) -> None:
     model.train()
-    for step in range(200):
+    for step in range(steps):
         model(**fixed_batch(seed=step)).loss.backward()
         opt.step()
         opt.zero_grad()
-    assert opt.update_index == 200
+    assert opt.update_index == steps
 
+
+def test_bf16_engine_copy_follows_200_real_updates_of_fp32_masters():
+    """An fp32-master trainer: rounded to nearest, updates of ~6e-5 of a weight (< half an ulp)
+    vanish on a bf16 engine; with the compensation buffer the copy stays within one bf16 rounding
+    of what it was sent."""
+    model = patch_model(tiny_qwen2(seed=7))
+    opt = LoGRAOptimizer(model, rank=4, update_ratio=6e-5)
+    copies = _engine_copies(opt, torch.bfloat16)
+    _train(model, opt, 200)
     for target in opt.targets:
         name, master = target.parameter_name, target.weight.detach()
-        change = master - start[name]
+        start = copies["start"][name]
+        change = master - start
         # The engine started from the bf16 rounding of the weights and then received every update:
         # exactly (weight + compensation), and the weight itself up to one final bf16 rounding (half
         # the spacing of 8 significant bits; a little more where the compensation's own rounding adds).
-        reference = start[name].bfloat16().float() + change
+        reference = start.bfloat16().float() + change
         half_ulp = torch.exp2(torch.floor(torch.log2(reference.abs().clamp_min(1e-30))) - 8)
-        kept = compensated[name].float() + compensation[name].float()  # what the engine knows
+        engine = copies["engine"][name].float()
+        kept = engine + copies["compensation"][name].float()  # what the engine knows
         assert bool(((kept - reference).abs() <= half_ulp / 4).all()), name
-        assert bool(((compensated[name].float() - reference).abs() <= half_ulp * 1.25).all()), name
-        moved = (nearest[name].float() - start[name].bfloat16().float()).norm() / change.norm()
+        assert bool(((engine - reference).abs() <= half_ulp * 1.25).all()), name
+        moved = (copies["nearest"][name].float() - start.bfloat16().float()).norm() / change.norm()
         assert moved < 0.5, f"{name}: rounding to nearest kept {moved:.0%} of the change"
-    assert names
+
+
+def test_bf16_engine_copy_of_a_bf16_trainer_is_bit_identical():
+    """A trainer whose targets are stored in bf16 rounds every merge stochastically; the engine
+    draws the same noise (seeded from the payload) and stays bit-identical, where an engine that
+    tracked the exact sum would drift from it."""
+    model = patch_model(tiny_qwen2(seed=8, dtype=torch.bfloat16))
+    opt = LoGRAOptimizer(model, rank=4, update_ratio=6e-5)
+    copies = _engine_copies(opt, torch.bfloat16)
+    _train(model, opt, 50)
+    for target in opt.targets:
+        name = target.parameter_name
+        assert torch.equal(copies["engine"][name], target.weight.detach()), name
+        assert not bool(copies["compensation"][name].any())  # no compensation: the trainer rounds itself
+    assert any(not torch.equal(copies["start"][t.parameter_name].bfloat16(), t.weight) for t in opt.targets)

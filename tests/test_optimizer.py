@@ -23,6 +23,7 @@ from tests.helpers.optim import assert_same_state, backward_random, snapshot, tw
 from tests.helpers.recorders import OutputShapes
 from tests.helpers.reference import U16, U32
 from tests.helpers.tiny import OneLinear, fixed_batch, sketches, tiny_qwen2
+from logra_optim.patching import target_state
 
 
 def targets(model):
@@ -92,7 +93,7 @@ def test_merge_matches_dense_reference(direction, mode, wire, refresh, kind, ran
                     state["row_second_moment"].double(), moments[names.index(name)], rtol=1e-5, atol=0
                 )
             assert int(opt.state[module.weight]["step"]) == step
-            assert not module._logra.sketch.any()  # cleared: it was expressed in the old basis
+            assert not target_state(module).sketch.any()  # cleared: it was expressed in the old basis
         assert opt.update_index == step
         assert opt.stats["alpha"] == 1.0 and opt.stats["update_index"] == step
 
@@ -168,7 +169,7 @@ def test_projection_refresh_and_fixed_basis(tiny, batch):
             assert optimizer.projection_index == index
             for name, module in targets(model):
                 seed = projection_seed(9, index, name)
-                assert torch.equal(module._logra.projection, make_projection(seed, 4, module.in_features))
+                assert torch.equal(target_state(module).projection, make_projection(seed, 4, module.in_features))
             model(**batch).loss.backward()
             optimizer.step()
 
@@ -190,7 +191,7 @@ def test_projection_seed_ignores_wrapper_prefixes(batch):
     wrapped_targets = targets(wrapped)
     assert [n for n, _ in wrapped_targets] == ["_orig_mod." + n for n in bare_names]
     for (_, a), (_, b) in zip(targets(bare), wrapped_targets):
-        assert torch.equal(a._logra.projection, b._logra.projection)
+        assert torch.equal(target_state(a).projection, target_state(b).projection)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -343,7 +344,7 @@ def test_releasing_the_optimizer_unbinds_the_model():
     hooks = len(model._forward_pre_hooks)
     del opt
     gc.collect()
-    assert all(m._logra.projection is None and m._logra.sketch is None for m in model.modules() if hasattr(m, "_logra"))
+    assert all(target_state(m).projection is None and target_state(m).sketch is None for _, m in patched_modules(model))
     assert len(model._forward_pre_hooks) == hooks - 1  # the context recorder left too
     with OutputShapes() as ops:
         model(**fixed_batch())
@@ -395,7 +396,7 @@ def test_non_finite_sketch_skips_the_step_and_changes_nothing(poison):
     good_step(model, opt, 0)
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     state = copy.deepcopy(opt.state_dict())
-    projections = [m._logra.projection.clone() for _, m in targets(model)]
+    projections = [target_state(m).projection.clone() for _, m in targets(model)]
 
     if poison == "inf_loss":
         (model(**fixed_batch(seed=1)).loss * float("inf")).backward()
@@ -411,7 +412,7 @@ def test_non_finite_sketch_skips_the_step_and_changes_nothing(poison):
     assert_same_state(opt.state_dict()["state"], state["state"])
     assert opt.update_index == 1
     assert opt.stats["nonfinite_skips"] == 1 and opt.stats["skipped"]
-    assert all(torch.equal(m._logra.projection, a) for (_, m), a in zip(targets(model), projections))
+    assert all(torch.equal(target_state(m).projection, a) for (_, m), a in zip(targets(model), projections))
     assert all(torch.isfinite(s).all() and not s.any() for s in sketches(model).values())
     assert opt.state_dict()["logra"]["nonfinite_skips"] == 1
 
@@ -480,8 +481,8 @@ def test_sub_ulp_updates_survive_bf16_storage_on_average(stochastic_rounding):
     weight = model.proj.weight
     w0, s, a = (
         weight.detach().double().clone(),
-        model.proj._logra.sketch.double(),
-        model.proj._logra.projection.double(),
+        target_state(model.proj).sketch.double(),
+        target_state(model.proj).projection.double(),
     )
     spacing = 2.0 ** (torch.floor(torch.log2(w0.abs().clamp_min(2.0**-126))) - 7)  # bf16 ulp of each entry
     intended = -(s @ a)
@@ -520,7 +521,7 @@ def test_an_unused_target_does_not_poison_the_others():
     model = patch_model(TwoBranches(), target_modules=["used", "unused"])
     opt = LoGRAOptimizer(model, rank=2, direction="rowadam", update_ratio=1e-2)
     model(torch.randn(4, 6)).square().sum().backward()
-    assert not model.unused._logra.sketch.any() and model.used._logra.sketch.any()
+    assert not target_state(model.unused).sketch.any() and target_state(model.used).sketch.any()
     unused_before = model.unused.weight.detach().clone()
     opt.step()
     assert torch.isfinite(model.used.weight).all()

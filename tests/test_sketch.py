@@ -16,6 +16,7 @@ from logra_optim.sketch import GRAPH_ANCHOR, SketchBank, sketched_linear
 from tests.helpers.recorders import OutputShapes, SavedTensors
 from tests.helpers.reference import U16, U32, dense_gradient, dense_sketch
 from tests.helpers.tiny import OneLinear, fixed_batch, tiny_qwen2
+from logra_optim.patching import target_state
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -128,7 +129,7 @@ def test_patched_linear_with_optimizer_accumulates_dense_reference(d, k, r_fract
     model = OneLinear(k, d, seed=seed % 1000).to(dtype)
     patch_model(model, target_modules=["proj"])
     _optimizer = LoGRAOptimizer(model, rank=r, projection=kind, lr=1.0, seed=seed)
-    target = model.proj._logra
+    target = target_state(model.proj)
     assert torch.equal(target.projection, make_projection(projection_seed(seed, 0, "proj"), r, k, kind))
 
     generator = torch.Generator().manual_seed(seed)
@@ -202,7 +203,7 @@ def test_a_patched_linear_saves_only_the_projected_input_and_its_weight(dtype):
     saved_weight = next(t for t in patched.saved if t.shape == (d, k))
     assert saved_weight.data_ptr() == model.proj.weight.data_ptr()  # the parameter, not a copy
     y.sum().backward()
-    assert model.proj._logra.sketch.abs().sum() > 0
+    assert target_state(model.proj).sketch.abs().sum() > 0
 
 
 def test_no_target_input_is_saved_in_a_training_forward_of_qwen2():
@@ -288,7 +289,7 @@ def test_graph_exists_with_everything_below_the_first_target_frozen():
     y = model(x)
     assert y.requires_grad
     y.sum().backward()
-    assert model.proj._logra.sketch.abs().sum() > 0
+    assert target_state(model.proj).sketch.abs().sum() > 0
     assert GRAPH_ANCHOR.grad is None  # the anchor only makes the graph exist; it collects nothing
 
 
@@ -299,7 +300,7 @@ def test_frozen_embeddings_still_sketch_the_first_layer():
     model.train()
     model(**fixed_batch()).loss.backward()
     first = model.model.layers[0].self_attn.q_proj
-    assert first._logra.sketch.abs().sum() > 0
+    assert target_state(first).sketch.abs().sum() > 0
     assert all(p.grad is None for p in model.parameters())
 
 

@@ -27,6 +27,7 @@ from logra_optim.sync import (
 )
 from tests.helpers.reference import merged
 from tests.helpers.tiny import TwoLinear, tiny_qwen2
+from logra_optim.patching import target_state
 
 
 def _payload(first=1, updates=2, rank=3, shapes=((5, 7), (4, 6)), dtype=torch.bfloat16, seed=0) -> SyncPayload:
@@ -91,6 +92,8 @@ def test_projection_of_payload_is_the_seeded_projection():
     "change, message",
     [
         (lambda d: d.update(version=PAYLOAD_VERSION + 1), "version"),
+        (lambda d: d.update(version=1), "version 1 is not supported.*same release"),  # before rounding modes
+        (lambda d: d["updates"][0]["targets"][0].update(rounding="floor"), "rounding must be one of"),
         (lambda d: d.update(format="something-else"), "not a LoGRA sync payload"),
         (lambda d: d["updates"][1].update(index=d["updates"][0]["index"] + 2), "skips from update 1 to 3"),
         (lambda d: d["updates"][0]["targets"][0].update(factor=torch.full((5, 3), float("nan"))), "not finite"),
@@ -181,7 +184,7 @@ def test_skipped_step_sends_nothing():
     optimizer = LoGRAOptimizer(model, rank=3, update_ratio=1e-2)
     recorder = UpdateRecorder(optimizer)
     model(torch.randn(6, 12)).square().sum().backward()
-    model.up._logra.sketch.fill_(float("nan"))
+    target_state(model.up).sketch.fill_(float("nan"))
     with pytest.warns(RuntimeWarning, match="non-finite"):
         optimizer.step()
     assert recorder.drain() is None

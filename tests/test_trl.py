@@ -520,7 +520,7 @@ def test_example_reinforce_tiny_runs():
 
 
 def test_mismatch_mask_keeps_generated_tokens_of_completed_responses(tmp_path):
-    from logra_optim.integrations.trl import _mismatch_mask
+    from logra_optim.integrations.trl import mismatch_mask
 
     trainer = setup.build_trainer("grpo", setup.build_policy(), tmp_path)
     eos, pad = setup.SPECIAL["<eos>"], setup.SPECIAL["<pad>"]
@@ -535,4 +535,4 @@ def test_mismatch_mask_keeps_generated_tokens_of_completed_responses(tmp_path):
     tool_mask = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 1], [1, 1, 1, 1]])
     inputs = {"completion_ids": completion_ids, "completion_mask": completion_mask, "tool_mask": tool_mask}
     expected = torch.tensor([[0, 0, 0, 0], [1, 0, 1, 0], [0, 0, 0, 0]], dtype=torch.bool)
-    assert torch.equal(_mismatch_mask(trainer, inputs), expected)
+    assert torch.equal(mismatch_mask(trainer, inputs), expected)

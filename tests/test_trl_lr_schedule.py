@@ -18,7 +18,7 @@ def _logged_ratios(trainer) -> list[float]:
 def test_default_linear_decay_is_replaced_by_a_constant_schedule(tmp_path):
     trainer = setup.build_trainer("grpo", setup.build_policy(), tmp_path, max_steps=4)
     assert trainer.args.lr_scheduler_type == "linear"  # TrainingArguments' default
-    with pytest.warns(UserWarning, match="using a constant schedule"):
+    with pytest.warns(UserWarning, match="using lr_scheduler_type='constant'"):
         attach_logra(trainer, **NO_KL)
     trainer.train()
     assert _logged_ratios(trainer) == pytest.approx([5e-2] * 4)
@@ -35,3 +35,12 @@ def test_an_explicit_schedule_is_kept_and_logged(tmp_path):
     trainer = setup.build_trainer("grpo", setup.build_policy(), tmp_path / "cosine", lr_scheduler_type="cosine")
     attach_logra(trainer, **NO_KL)
     assert trainer.args.lr_scheduler_type == "cosine"
+
+
+def test_warmup_is_kept_when_the_decay_is_dropped(tmp_path):
+    trainer = setup.build_trainer("grpo", setup.build_policy(), tmp_path, max_steps=4, warmup_steps=2)
+    with pytest.warns(UserWarning, match="constant_with_warmup"):
+        attach_logra(trainer, **NO_KL)
+    trainer.train()
+    ratios = _logged_ratios(trainer)
+    assert ratios[0] < ratios[-1] == pytest.approx(5e-2)  # warming up, then constant

@@ -28,8 +28,14 @@ import torch
 import torch.nn as nn
 
 from logra_optim.projection import projection_seed
-from logra_optim.sync import PayloadError, SyncPayload, checksum_probe, projection_of, weight_checksum
-from logra_optim.updates import merge_low_rank_, merge_low_rank_compensated_
+from logra_optim.sync import (
+    PayloadError,
+    SyncPayload,
+    checksum_probe,
+    merge_like_trainer_,
+    projection_of,
+    weight_checksum,
+)
 
 from . import wire
 from .placement import Placement, checkpoint_fused_placement, column_parallel_placements, row_parallel_placement
@@ -146,7 +152,7 @@ class EngineUpdater:
                 "packed": getattr(model, "packed_modules_mapping", {}) or {},
                 "shadows": {},
                 "shadow_dtype": torch.float32,
-                "compensation": {},  # in place, 16-bit weights: what rounding dropped, per target
+                "compensation": {},  # 16-bit copies of fp32-master targets: what rounding dropped
             }
             self._state = state
         return state
@@ -189,7 +195,11 @@ class EngineUpdater:
                 state["shadows"][name] = tensor.detach().to("cpu", state["shadow_dtype"], copy=True)
 
     def _load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        """Checkpoint-format tensors into the engine: through the shadows in reload mode."""
+        """Checkpoint-format tensors into the engine: through the shadows in reload mode. What is
+        loaded is exact: nothing of it was rounded away, so its compensation starts again."""
+        compensation = self._engine_state()["compensation"]
+        for name, _ in weights:
+            compensation.pop(name, None)
         if self._engine_state()["mode"] == "reload":
             self._reload_with_groups(dict(weights))
         else:
@@ -202,7 +212,6 @@ class EngineUpdater:
         weights = _named_tensors(weights)
         started = time.perf_counter()
         state["index"] = None  # until the load has succeeded
-        state["compensation"] = {}  # exact weights arrive: nothing was dropped
         if state["mode"] == "reload":
             state["shadow_dtype"] = wire.dtype(shadow_dtype)
         self._load_weights(weights)
@@ -259,6 +268,7 @@ class EngineUpdater:
         started = time.perf_counter()
         payload = SyncPayload.decode(wire.from_wire(payload)) if isinstance(payload, (bytes, str)) else payload
         self._check(payload)
+        self._prepare_compensation(payload)
         state = self._engine_state()
         try:
             if state["mode"] == "reload":
@@ -271,37 +281,54 @@ class EngineUpdater:
         state["index"] = payload.last_index
         return {"index": state["index"], "mode": state["mode"], "seconds": time.perf_counter() - started}
 
+    def _copy_of(self, name: str) -> torch.Tensor:
+        """The engine's own copy of a target's rows: its shadow (reload mode) or its loaded rows."""
+        state = self._engine_state()
+        if state["mode"] == "reload":
+            return state["shadows"][name]
+        placement = state["placements"][name]
+        return self._layers()[placement.module].weight.data[placement.param_rows]
+
+    def _prepare_compensation(self, payload: SyncPayload) -> None:
+        """Allocate, before anything changes, the compensation buffers this payload needs: a 16-bit
+        copy following an fp32-master trainer would otherwise round away every update below half an
+        ulp (all of them, at RL step sizes). Kahan summation keeps them until they add up."""
+        compensation = self._engine_state()["compensation"]
+        for update in payload.updates:
+            for target in update.targets:
+                copy = self._copy_of(target.name)
+                if target.rounding == "exact" and copy.element_size() < 4 and target.name not in compensation:
+                    compensation[target.name] = torch.zeros_like(copy)
+
     def _apply_to_shadows(self, payload: SyncPayload) -> None:
         state = self._engine_state()
         staged: dict[str, torch.Tensor] = {}
+        staged_compensation: dict[str, torch.Tensor] = {}
         for update in payload.updates:
             for target in update.targets:
                 if target.name not in staged:
                     staged[target.name] = state["shadows"][target.name].clone()
-                merge_low_rank_(
-                    staged[target.name], target.factor, projection_of(payload, target), stochastic_rounding=False
+                    if target.name in state["compensation"]:
+                        staged_compensation[target.name] = state["compensation"][target.name].clone()
+                merge_like_trainer_(
+                    staged[target.name],
+                    target,
+                    projection_of(payload, target),
+                    update.index,
+                    staged_compensation.get(target.name),
                 )
         self._reload_with_groups(staged)
+        state["compensation"].update(staged_compensation)
 
     def _apply_in_place(self, payload: SyncPayload) -> None:
         state = self._engine_state()
-        layers = self._layers()
         for update in payload.updates:
             for target in update.targets:
                 placement = state["placements"][target.name]
-                weight = layers[placement.module].weight.data
-                projection = projection_of(payload, target, device=weight.device)[:, placement.projection_cols]
-                factor = target.factor.to(weight.device)[placement.factor_rows]
-                rows = weight[placement.param_rows]
-                if rows.dtype in (torch.float32, torch.float64):
-                    merge_low_rank_(rows, factor, projection)
-                    continue
-                # A 16-bit engine would drop every update below half an ulp (all of them, at RL step
-                # sizes); the compensation buffer keeps them until they add up (Kahan summation).
+                rows = self._copy_of(target.name)
+                projection = projection_of(payload, target, device=rows.device)[:, placement.projection_cols]
                 compensation = state["compensation"].get(target.name)
-                if compensation is None:
-                    compensation = state["compensation"][target.name] = torch.zeros_like(rows)
-                merge_low_rank_compensated_(rows, compensation, factor, projection)
+                merge_like_trainer_(rows, target, projection, update.index, compensation, placement.factor_rows)
 
     @torch.no_grad()
     def checksums(self, names: str, seed: int | str) -> str:
@@ -345,6 +372,7 @@ class EngineUpdater:
             "shadow_bytes": shadow_bytes,
             "targets": len(state["placements"]),
             "whole_only": sorted(name for name, p in state["placements"].items() if p.whole_only),
+            "compensation_bytes": sum(t.numel() * t.element_size() for t in state["compensation"].values()),
             "dtype": str(self.worker.model_config.dtype),
         }
 

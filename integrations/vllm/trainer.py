@@ -172,11 +172,14 @@ class VLLMSync:
         self.history: list[dict] = []
         model = optimizer.model
         targets = {id(target.weight) for target in optimizer.targets}
+        # Sent whole at every sync: trainable non-targets (e.g. norms), and the targets the engine can
+        # only load whole (asked for after the first full sync).
         self._non_targets = [
             (canonical_name(n), p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in targets
         ]
+        self._whole: list[tuple[str, torch.Tensor]] | None = None
+        self._sharded = any(target.layout.kind != REPLICATED for target in optimizer.targets)
         # What a full sync sends (every parameter, whole, as held): more pending update bytes → full.
-        self._whole: list[tuple[str, torch.Tensor]] | None = None  # targets the engine loads only whole
         self._full_bytes = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in model.parameters())
 
     @property
@@ -223,6 +226,15 @@ class VLLMSync:
             )
         return targets
 
+    def _tensors_sent_whole(self) -> list[tuple[str, torch.Tensor]]:
+        """CPU copies of what every sync sends whole. A sharded trainer (FSDP2, ZeRO-3) holds only
+        shards or placeholders of them: they come through ``named_parameters``, which gathers."""
+        wanted = self._non_targets + self._whole
+        if not self._sharded:
+            return _cpu_copies(wanted)
+        names = {name for name, _ in wanted}
+        return _cpu_copies((name, tensor) for name, tensor in self.named_parameters() if name in names)
+
     def sync(self) -> dict:
         """Bring the engine to the optimizer's current update (see the class docstring)."""
         self.syncs += 1
@@ -238,8 +250,8 @@ class VLLMSync:
             data = self.engine.wire(payload.encode())
             engine_seconds = self.engine.call("logra_apply", data)[0]["seconds"]
             sent += len(data)
-        if self._non_targets or self._whole:  # trainable non-targets (e.g. norms) are sent whole
-            data, size = self.engine.wire_weights(_cpu_copies(self._non_targets + self._whole))
+        if self._non_targets or self._whole:
+            data, size = self.engine.wire_weights(self._tensors_sent_whole())
             self.engine.call("logra_load", data)
             sent += size
         self.needs_full = False

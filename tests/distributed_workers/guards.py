@@ -18,6 +18,7 @@ import torch.distributed as dist
 from logra_optim import LoGRAOptimizer
 from logra_optim import distributed as dp
 from tests.distributed_workers.common import BATCH, build_model
+from logra_optim.patching import target_state
 
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
@@ -52,7 +53,7 @@ def main() -> None:
     model = frozen_model()
     opt = LoGRAOptimizer(model, rank=4, update_ratio=1e-2)
     if rank == 1:
-        target = model.model.layers[1].mlp.down_proj._logra
+        target = target_state(model.model.layers[1].mlp.down_proj)
         target.set_projection(-target.projection)
     model(**BATCH).loss.backward()
     results["projection"] = error_of(opt.step)

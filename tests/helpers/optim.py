@@ -7,6 +7,7 @@ import torch
 
 from logra_optim import LoGRAOptimizer, patch_model, patched_modules
 from tests.helpers.tiny import TwoLinear
+from logra_optim.patching import target_state
 
 
 def two_linear(model_seed: int = 0, **kwargs):
@@ -25,7 +26,11 @@ def backward_random(model, generator: torch.Generator, k: int = 12, d: int = 7, 
 def snapshot(model) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(W, S, A) per target, as float64 copies, taken right before a step."""
     return [
-        (m.weight.detach().double().clone(), m._logra.sketch.double().clone(), m._logra.projection.double().clone())
+        (
+            m.weight.detach().double().clone(),
+            target_state(m).sketch.double().clone(),
+            target_state(m).projection.double().clone(),
+        )
         for _, m in patched_modules(model)
     ]
 

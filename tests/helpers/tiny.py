@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from logra_optim.patching import target_state
 
 
 def tiny_qwen2(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
@@ -76,4 +77,4 @@ def sketches(model) -> dict[str, torch.Tensor]:
     """A copy of every target's current sketch, by module name."""
     from logra_optim import patched_modules
 
-    return {name: module._logra.sketch.clone() for name, module in patched_modules(model)}
+    return {name: target_state(module).sketch.clone() for name, module in patched_modules(model)}
