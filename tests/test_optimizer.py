@@ -526,3 +526,50 @@ def test_an_unused_target_does_not_poison_the_others():
     opt.step()
     assert torch.isfinite(model.used.weight).all()
     assert torch.equal(model.unused.weight, unused_before)
+
+
+# --------------------------------------------------------------------------------------------------
+# Deprecated spelling and the single param group
+
+
+def test_deprecated_optimizer_option_still_works_and_warns():
+    model_a, model_b = OneLinear(8, 6, seed=1), OneLinear(8, 6, seed=1)
+    patch_model(model_a, target_modules=["proj"])
+    patch_model(model_b, target_modules=["proj"])
+    with pytest.warns(DeprecationWarning, match=r"optimizer=\.\.\.\) is deprecated; use direction=") as caught:
+        old = LoGRAOptimizer(model_a, rank=2, optimizer="sgd", update_ratio=1e-2)
+    assert caught[0].filename == __file__  # points at the caller
+    new = LoGRAOptimizer(model_b, rank=2, direction="sgd", update_ratio=1e-2)
+    assert old.param_groups[0]["direction"] == "sgd"
+    x = torch.randn(5, 8)
+    for model, opt in ((model_a, old), (model_b, new)):
+        model(x).square().sum().backward()
+        opt.step()
+    assert torch.equal(model_a.proj.weight, model_b.proj.weight)
+    with pytest.raises(ValueError, match="not both"):
+        LoGRAOptimizer(patch_model(OneLinear(8, 6), target_modules=["proj"]), rank=2, direction="sgd", optimizer="sgd")
+
+
+def test_a_checkpoint_saved_with_the_old_group_key_loads():
+    model = patch_model(OneLinear(8, 6, seed=2), target_modules=["proj"])
+    opt = LoGRAOptimizer(model, rank=2, direction="sgd", update_ratio=1e-2)
+    model(torch.randn(5, 8)).square().sum().backward()
+    opt.step()
+    state = opt.state_dict()
+    group = state["param_groups"][0]
+    state["param_groups"][0] = {("optimizer" if k == "direction" else k): v for k, v in group.items()}
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    fresh_model = patch_model(OneLinear(8, 6, seed=2), target_modules=["proj"])
+    fresh = LoGRAOptimizer(fresh_model, rank=2, update_ratio=1e-2)  # rowadam by default
+    fresh.load_state_dict(torch.load(buffer, weights_only=True))
+    assert fresh.param_groups[0]["direction"] == "sgd" and "optimizer" not in fresh.param_groups[0]
+    assert fresh.update_index == 1
+
+
+def test_a_second_param_group_is_refused():
+    model = patch_model(OneLinear(8, 6), target_modules=["proj"])
+    opt = LoGRAOptimizer(model, rank=2)
+    with pytest.raises(ValueError, match="one param group.*non_target_optimizer"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
