@@ -401,7 +401,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
     def _apply(self, plan: StepPlan) -> tuple[float, dict[str, Any]]:
         """Choose α and merge; raises :class:`UpdateSkipped` with the weights untouched."""
         control = self.kl_control
-        choice = control.choose([t.state for t in self._targets], plan.factors(), self.update_index + 1)
+        factors = plan.factors() if control.options.enabled else []  # the unit step, for the probe only
+        choice = control.choose([t.state for t in self._targets], factors, self.update_index + 1)
         # Only once the update is certain; the predicted KL covers the targets' update alone.
         if self.non_target_optimizer is not None:
             self.non_target_optimizer.step()

@@ -7,7 +7,7 @@ very factor it sends (``LoGRAOptimizer(wire_dtype=torch.bfloat16)`` rounds ``F``
 both sides apply the same update; the remaining difference is the arithmetic of the two merges and
 the engine's storage dtype, which :func:`weight_checksum` lets a caller measure.
 
-Format, version 1 (``PAYLOAD_VERSION``). :meth:`SyncPayload.encode` writes a plain dict with
+Format, version 2 (``PAYLOAD_VERSION``). :meth:`SyncPayload.encode` writes a plain dict with
 ``torch.save``; only tensors, numbers and strings, so ``torch.load(weights_only=True)`` reads it::
 
     {

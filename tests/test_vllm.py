@@ -165,8 +165,9 @@ def test_bad_payloads_are_rejected_and_leave_the_engine_untouched(llm):
 
 
 def test_drift_check_triggers_full_sync_and_sleep_forces_one(llm):
-    """bf16 shadows on the engine make its copy differ from the fp32 trainer by bf16 rounding
-    (~1e-3 relative): a drift check with a tighter bound sees it and falls back to a full sync."""
+    """bf16 shadows on the engine hold the fp32 trainer's weights up to one bf16 rounding (their
+    compensation keeps the rest), which differs from the trainer's weights rounded once by ~1e-3
+    relative: a drift check with a tighter bound sees it and falls back to a full sync."""
     model, optimizer = _trainer(seed=2)
     sync = VLLMSync(optimizer, llm, check_every=2, drift_bound=1e-4, shadow_dtype=torch.bfloat16)
     sync.sync()
