@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import types
+import warnings
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -259,7 +260,24 @@ def patch_model(
             if id(param) not in target_weights and param.requires_grad:
                 record.frozen.setdefault(name, True)
                 param.requires_grad_(False)
+        _warn_about_frozen_experts(model, record.frozen)
     return model
+
+
+def _warn_about_frozen_experts(model: nn.Module, frozen: dict[str, bool]) -> None:
+    """Stacked expert weights (``[E, out, in]``, transformers' ``*Experts`` modules) hold most of a
+    mixture-of-experts model's parameters; a user who froze them by accident would train only
+    attention without noticing, so say which ones were frozen."""
+    params = dict(model.named_parameters())
+    experts = [(name, tuple(params[name].shape)) for name in frozen if name in params and params[name].dim() >= 3]
+    if experts:
+        name, shape = experts[0]
+        warnings.warn(
+            f"patch_model froze {len(experts)} stacked expert weights that LoGRA cannot target yet (mixture-of-"
+            f"experts, e.g. {name!r} {list(shape)}): they will not be trained. To train them densely, set their "
+            "requires_grad back to True and pass non_target_optimizer=... to LoGRAOptimizer",
+            stacklevel=3,
+        )
 
 
 def patched_modules(model: nn.Module) -> list[tuple[str, nn.Linear]]:

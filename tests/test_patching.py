@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import re
+import warnings
 
 import pytest
 import torch
@@ -391,3 +392,50 @@ def test_generate(tiny, batch, train_mode):
     got = tiny.generate(prompt, **kwargs)
     assert got.shape == (2, 11) and torch.equal(got, expected)
     assert all(not s.any() for s in sketches(tiny).values())
+
+
+# --------------------------------------------------------------------------------------------------
+# Mixture-of-experts models: stacked expert weights are not targets (yet), and are never frozen silently
+
+
+def _tiny_qwen3_moe():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    return transformers.Qwen3MoeForCausalLM(config)
+
+
+def test_frozen_expert_weights_are_named_and_can_be_trained_densely():
+    model = _tiny_qwen3_moe()
+    with pytest.warns(
+        UserWarning, match=r"froze 4 stacked expert weights .*'model\.layers\.0\.mlp\.experts\.gate_up_proj'"
+    ):
+        patch_model(model)
+    experts = [p for n, p in model.named_parameters() if ".experts." in n]
+    for parameter in experts:  # the remedy the warning names
+        parameter.requires_grad_(True)
+    before = [p.detach().clone() for p in experts]
+    opt = LoGRAOptimizer(model, rank=4, non_target_optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    model.train()
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    assert all(not torch.equal(p, b) for p, b in zip(experts, before))
+
+
+def test_a_dense_model_gets_no_expert_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        patch_model(tiny_qwen2())
