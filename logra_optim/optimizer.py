@@ -351,7 +351,16 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             self.probe_skips += 1
             self._skip(str(skipped), skipped.reason)
             return loss
+        update = self._commit(plan)
+        seconds = time.perf_counter() - started
+        self.stats = {"alpha": alpha, "eta": plan.eta, **kl_stats, "step_seconds": seconds, **self._counters()}
+        for hook in list(self._merge_hooks.values()) if update is not None else ():
+            hook(self, update)  # last: the step is complete whatever a hook does
+        return loss
 
+    def _commit(self, plan: StepPlan) -> Update | None:
+        """After a merge: the optimizer state, the next update's ``A``, empty sketches; returns what was
+        merged when a hook listens."""
         group = self.param_groups[0]
         for step in plan.steps:
             self.state[group["params"][step.index]].update(step.state)
@@ -362,11 +371,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         if self.refresh:
             self._regenerate_projections()
         self._bank.zero_()
-        seconds = time.perf_counter() - started
-        self.stats = {"alpha": alpha, "eta": plan.eta, **kl_stats, "step_seconds": seconds, **self._counters()}
-        for hook in list(self._merge_hooks.values()) if update is not None else ():
-            hook(self, update)  # last: the step is complete whatever a hook does
-        return loss
+        return update
 
     def _refuse_loss_scaling(self) -> None:
         if not hasattr(self, "found_inf"):  # set by GradScaler.step for the duration of the call
