@@ -219,7 +219,7 @@ class KLController:
                 "probe and the realised-KL check compare logits whose rounding is of the size of a small step's "
                 "change. Prefer probe='jvp' without realised_kl_check, or compute in fp32",
                 RuntimeWarning,
-                stacklevel=6,
+                stacklevel=7,  # user → torch's step wrapper → no_grad → step → _apply → choose → here
             )
 
     def check_realised(self, choice: StepChoice, apply: Callable[[float], None], undo: Callable[[], None]) -> float:
