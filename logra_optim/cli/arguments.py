@@ -42,6 +42,16 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def positive_float_list(text: str) -> list[float]:
+    """Comma-separated, distinct, finite positive numbers (a sweep's learning rates or budgets)."""
+    values = [positive_float(part.strip()) for part in text.split(",") if part.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one positive number (an empty sweep)")
+    if len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"expected distinct values, got {text!r}")
+    return values
+
+
 def model_dir(text: str) -> str:
     """A local Hugging Face model directory: it must exist and hold a ``config.json``."""
     path = Path(text).expanduser()

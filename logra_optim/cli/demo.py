@@ -38,7 +38,9 @@ from .measure import MIB, memory_baseline, peak_memory, ratio, resolve_device
 from .runner import run_fresh
 
 METHODS = ("logra", "adamw")
-LABELS = {"logra": "LoGRA", "adamw": "dense AdamW"}
+# What a worker can run: the demo's two methods, and the references of ``benchmarks/bench_learning.py``.
+WORKER_METHODS = (*METHODS, "adamw-targets", "lora")
+LABELS = {"logra": "LoGRA", "adamw": "dense AdamW", "adamw-targets": "AdamW on LoGRA's targets", "lora": "LoRA"}
 SPECIAL_TOKENS = {"pad": "<pad>", "eos": "<eos>", "unk": "<unk>", "bos": "<bos>"}
 EVAL_PROBLEMS = 256
 EVAL_SEED = 65_535  # training draws use seeds 0…, 10 000 + seed (warm start) and 20 000 (validation)
@@ -303,9 +305,35 @@ def _grpo_config(settings: DemoSettings, method: str, seed: int, device: str):
     )
 
 
+def prepare_model(model, method: str, rank: int):
+    """The model ``method`` trains, before the trainer is built: ``adamw-targets`` freezes everything
+    but the weights of LoGRA's targets (``patch_model``'s choice, no sketching); ``lora`` wraps the
+    same target modules in peft LoRA adapters (``r = rank``, ``lora_alpha = 2r``, no dropout, base
+    frozen). ``adamw`` and ``logra`` (which ``attach_logra`` patches) take the model as it is. The
+    trainer's AdamW then updates exactly the parameters left trainable."""
+    if method not in WORKER_METHODS:
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join(WORKER_METHODS)}")
+    if method not in ("adamw-targets", "lora"):
+        return model
+    from logra_optim import find_target_modules
+
+    targets = find_target_modules(model)
+    if method == "adamw-targets":
+        weights = {id(module.weight) for _, module in targets}
+        for parameter in model.parameters():
+            parameter.requires_grad_(id(parameter) in weights)
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    names = sorted({name.rsplit(".", 1)[-1] for name, _ in targets})
+    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=names))
+
+
 def run_worker(spec: dict) -> dict:
-    """Train from the warm-start checkpoint with ``spec["method"]`` in this fresh process; return the
-    record."""
+    """Train from the warm-start checkpoint with ``spec["method"]`` (one of ``WORKER_METHODS``) in
+    this fresh process; return the record. The AdamW-based methods train at ``settings.adamw_lr``;
+    LoGRA at ``settings.kl_budget`` (``None``: no KL control, a fixed relative step) and
+    ``settings.update_ratio``."""
     from datasets import Dataset
     from trl import GRPOTrainer
 
@@ -320,6 +348,7 @@ def run_worker(spec: dict) -> dict:
     model, tokenizer = load_policy(settings, str(Path(settings.output) / "warm_start" / f"seed{seed}"))
     model.to(device)
     before = evaluate(model, tokenizer, settings, device)
+    model = prepare_model(model, method, settings.rank)
     problems = tasks.make_problems(
         settings.task, settings.steps * settings.batch_size, digits=settings.digits, style=settings.style, seed=seed
     )
@@ -409,8 +438,9 @@ def prepare_warm_starts(settings: DemoSettings, device: str, console) -> None:
         tokenizer.save_pretrained(target)
 
 
-def launch_worker(settings: DemoSettings, method: str, seed: int, console) -> dict:
-    """Run one RL run in a fresh process, showing its progress; return its record."""
+def launch_worker(settings: DemoSettings, method: str, seed: int, console, description: str | None = None) -> dict:
+    """Run one RL run in a fresh process, showing its progress (``description`` names it; default:
+    the method and seed); return its record."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (
@@ -421,7 +451,8 @@ def launch_worker(settings: DemoSettings, method: str, seed: int, console) -> di
         TimeElapsedColumn(),
     )
     with Progress(*columns, console=console) as progress:
-        bar = progress.add_task(f"{LABELS[method]}, seed {seed}", total=settings.steps, reward="-")
+        label = f"{description} run" if description else f"{LABELS[method]} run (seed {seed})"
+        bar = progress.add_task(description or f"{LABELS[method]}, seed {seed}", total=settings.steps, reward="-")
 
         def show_progress(line: str) -> bool:
             if not line.startswith("PROGRESS "):
@@ -433,7 +464,7 @@ def launch_worker(settings: DemoSettings, method: str, seed: int, console) -> di
         return run_fresh(
             run_worker,
             {"settings": asdict(settings), "method": method, "seed": seed},
-            label=f"{LABELS[method]} run (seed {seed})",
+            label=label,
             env={"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"},
             on_line=show_progress,
         )

@@ -1,0 +1,144 @@
+"""``benchmarks/bench_learning.py``: bad input, the choice of a best setting, a real end-to-end run of
+all four methods, and a run that really fails inside its worker."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_learning.py"
+# The smallest run: 3 updates of 32 completions, one seed, one task, a short warm start.
+SMALL = ["--quick", "--steps", "3", "--seeds", "0", "--tasks", "addition", "--warm-start-steps", "20"]
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("bench_learning", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = load_script()
+
+
+def run_script(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--methods", "adamw,sgd"], "--methods"),
+        (["--tasks", "chess"], "--tasks"),
+        (["--adamw-lrs", ""], "--adamw-lrs"),
+        (["--adamw-lrs", ","], "--adamw-lrs"),
+        (["--lora-lrs", "0"], "--lora-lrs"),
+        (["--adamw-targets-lrs", "-3e-4"], "--adamw-targets-lrs"),
+        (["--logra-budgets", "0"], "--logra-budgets"),
+        (["--logra-budgets", "1e-2,-1"], "--logra-budgets"),
+        (["--logra-budgets", "nan"], "--logra-budgets"),
+        (["--logra-knob", "update_ratio", "--logra-ratios", "0"], "--logra-ratios"),
+        (["--logra-knob", "rank"], "--logra-knob"),
+        (["--sweep-size", "0"], "--sweep-size"),
+        (["--logra-ratios", "0.1"], "--logra-ratios"),  # the default knob is kl_budget
+        (["--adamw-lrs", "1e-4,3e-4", "--lora-lrs", "1e-3"], "same number of values"),
+        (["--seeds", "0,0"], "--seeds"),
+    ],
+)
+def test_bad_input_is_a_usage_error_naming_the_option(capsys, tmp_path, argv, expected):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main([*argv, "--output", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert expected in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_sweeps_have_equal_sizes_by_default():
+    parser = bench.build_parser()
+    for argv, size in ([[], 3], [["--quick"], 2], [["--sweep-size", "4"], 4]):
+        sweeps = bench.sweeps_from(parser.parse_args(argv), parser)
+        assert set(sweeps) == set(bench.METHODS)
+        assert {len(values) for _, values in sweeps.values()} == {size}
+        assert all(v > 0 for _, values in sweeps.values() for v in values)
+    sweeps = bench.sweeps_from(parser.parse_args(["--logra-knob", "update_ratio"]), parser)
+    assert sweeps["logra"][0] == "update_ratio" and sweeps["adamw"][0] == "lr"
+    assert bench.overrides("logra", "update_ratio", 0.1) == {"kl_budget": None, "update_ratio": 0.1}
+
+
+def test_failed_seeds_never_enter_a_mean_and_complete_settings_win():
+    def run(seed, auc):
+        metrics = dict.fromkeys(("final", "greedy_after", "greedy_before", "train_seconds"), 0.5)
+        return {
+            "seed": seed,
+            "wall_seconds": 1.0,
+            "metrics": {**metrics, "auc": auc, "kl_predicted": None, "kl_realised": None},
+        }
+
+    # lr 1e-3 has the higher AUC on the seed that completed, but lost seed 1: lr 3e-4 (all seeds) wins.
+    partial = bench.setting_summary("lr", 1e-3, [run(0, 0.9)], [{"seed": 1, "error": "RuntimeError: nan"}])
+    complete = bench.setting_summary("lr", 3e-4, [run(0, 0.4), run(1, 0.6)], [])
+    assert partial["auc"] == 0.9 and partial["failed_seeds"] == [1] and partial["seeds"] == [0]
+    assert complete["auc"] == pytest.approx(0.5) and complete["auc_std"] > 0
+    assert bench.best_setting([partial, complete]) is complete
+    assert bench.best_setting([partial]) is partial  # every setting lost a seed: the best of what ran
+    failed = bench.setting_summary("lr", 1.0, [], [{"seed": 0, "error": "x"}])
+    assert failed["auc"] is None and bench.best_setting([failed]) is None
+    rows = bench.table_rows({"methods": {"adamw": {"best": complete, "sweep": [partial, complete]}}})
+    assert "1 failed" in rows[0][-1]
+
+
+def test_all_four_methods_end_to_end(tmp_path):
+    """One setting per method, one seed: every method completes, has one best setting, finite metrics."""
+    one_each = ["--adamw-lrs", "3e-4", "--adamw-targets-lrs", "3e-4", "--lora-lrs", "1e-3", "--logra-budgets", "1e-2"]
+    result = run_script(*SMALL, *one_each, "--output", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    for label in ("dense AdamW", "AdamW on LoGRA's targets", "LoRA", "LoGRA"):
+        assert label in result.stdout
+    report = json.loads((tmp_path / "learning.json").read_text())
+    assert (tmp_path / "learning.md").read_text().startswith("# Learning benchmark")
+    assert report["failures"] == []
+    methods = report["tasks"]["addition"]["methods"]
+    assert set(methods) == set(bench.METHODS)
+    for method, entry in methods.items():
+        best = entry["best"]
+        assert len(entry["sweep"]) == 1 and best["value"] == entry["sweep"][0]["value"]
+        for key in ("auc", "auc_std", "final", "greedy_after", "train_seconds", "wall_seconds"):
+            assert best[key] is not None and math.isfinite(best[key]), (method, key)
+        assert 0.0 <= best["auc"] <= 1.0 and 0.0 <= best["greedy_after"] <= 1.0
+        assert (best["kl_predicted"] is not None) == (method == "logra")
+    records = {run["method"]: run["record"] for run in report["runs"]}
+    assert len(records["adamw"]["train_rewards"]) == 3
+    # AdamW on the targets trains exactly what LoGRA does; LoRA far less; dense AdamW a little more.
+    assert records["adamw-targets"]["trained_params"] == records["logra"]["trained_params"]
+    assert records["lora"]["trained_params"] < records["logra"]["trained_params"] < records["adamw"]["trained_params"]
+
+
+def test_a_run_that_fails_is_reported_and_kept_out_of_the_mean(tmp_path):
+    """A real failure: at lr 1e30 AdamW's first update overflows the weights, and sampling the next
+    group raises inside the worker. The sweep's other value completes and is the best setting."""
+    result = run_script(*SMALL, "--methods", "adamw", "--adamw-lrs", "3e-4,1e30", "--output", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "learning.json").read_text())
+    (failure,) = report["failures"]
+    assert (failure["method"], failure["value"], failure["seed"]) == ("adamw", 1e30, 0)
+    assert "Error" in failure["error"]
+    assert f"FAILED addition adamw lr=1e+30 seed 0: {failure['error']}" in result.stdout
+    entry = report["tasks"]["addition"]["methods"]["adamw"]
+    failed = next(s for s in entry["sweep"] if s["value"] == 1e30)
+    assert failed["seeds"] == [] and failed["failed_seeds"] == [0] and failed["auc"] is None
+    assert entry["best"]["value"] == 3e-4 and entry["best"]["seeds"] == [0]
+    assert "Failed runs" in (tmp_path / "learning.md").read_text()
