@@ -146,6 +146,20 @@ def test_task_answers_score_one_and_wrong_answers_less(task, style):
     assert tasks.reward(["4 2", "4"], answer=["4 2", "4 2"]) == [1.0, 0.5]
 
 
+@pytest.mark.parametrize("task", sorted(tasks.TASKS))
+def test_a_saved_tiny_policy_reloads_with_the_tokenizer_it_was_trained_with(task, tmp_path):
+    """Workers reload the warm-started policy from disk: its prompts must tokenize as in training
+    (AutoTokenizer would pick Qwen2Tokenizer from the model type and drop words such as "sort")."""
+    from logra_optim.cli import demo
+
+    tokenizer = demo.build_tokenizer()
+    demo.build_tiny_policy(tokenizer, seed=0).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    _, reloaded = demo.load_policy(demo.DemoSettings(output=str(tmp_path)), str(tmp_path))
+    for problem in tasks.make_problems(task, 20, digits=2, style="spaced", seed=1):
+        assert reloaded(problem.prompt)["input_ids"] == tokenizer(problem.prompt)["input_ids"], problem.prompt
+
+
 def test_addition_answers_are_the_sums():
     for problem in tasks.make_problems("addition", 100, digits=3, style="text", seed=0):
         left, right = problem.prompt.rstrip("=").split("+")

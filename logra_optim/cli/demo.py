@@ -185,10 +185,12 @@ def build_tiny_policy(tokenizer, seed: int):
 
 def load_policy(settings: DemoSettings, path: str | None = None):
     """The policy and tokenizer from ``path`` (a saved checkpoint or ``--model``)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
     path = path or settings.model
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    # The tiny policy's word-level tokenizer is reloaded as itself: AutoTokenizer would pick
+    # Qwen2Tokenizer from the model type, whose pre-tokenizer drops task words such as "sort".
+    tokenizer = (AutoTokenizer if settings.model else PreTrainedTokenizerFast).from_pretrained(path)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
