@@ -30,6 +30,7 @@ from .options import (
     check_non_target_optimizer,
     check_targets,
     direction_option,
+    param_group_defaults,
     upgrade_param_group,
 )
 from .patching import TargetState, patched_modules, target_state
@@ -147,17 +148,12 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 "LoGRAOptimizer takes the patched model, e.g. LoGRAOptimizer(patch_model(model)), "
                 f"not {type(model).__name__}"
             )
-        step_size, lr_mode = StepOptions.step_size(update_ratio, lr)
+        defaults = param_group_defaults(direction_option(direction, optimizer), update_ratio, lr, beta2, eps)
         options = StepOptions(
             rank=rank,
-            direction=direction_option(direction, optimizer),
-            lr=step_size,
-            lr_mode=lr_mode,
             seed=int(seed),
             projection=projection,
             refresh=bool(refresh),
-            beta2=beta2,
-            eps=eps,
             wire_dtype=wire_dtype,
             stochastic_rounding=bool(stochastic_rounding),
         )
@@ -192,7 +188,6 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self._ranks = None if group is None else dp.DataParallel(group)
         self._fsdp2 = dp.fsdp2_modules(model)
         self._merge_hooks: OrderedDict[int, Callable[[LoGRAOptimizer, Update], None]] = OrderedDict()
-        defaults = dict(lr=step_size, lr_mode=lr_mode, direction=options.direction, beta2=beta2, eps=eps)
         super().__init__([t.weight for t in targets], defaults)
         self.non_target_optimizer = self._build_non_target_optimizer(non_target_optimizer)
         stored_16_bit = any(t.weight.dtype in (torch.bfloat16, torch.float16) for t in targets)

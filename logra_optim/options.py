@@ -1,8 +1,8 @@
 """The options of :class:`~logra_optim.LoGRAOptimizer`, validated once, here.
 
-Two small dataclasses: :class:`StepOptions` (how a sketch becomes a merged update) and
-:class:`KLOptions` (how big that update may be: predicted-KL control). Each checks its own
-values when built and raises a ``ValueError`` that names the option and what would be valid, so
+:func:`param_group_defaults` (the target group's step size and direction settings, which live in
+the param group), :class:`StepOptions` (projections, rounding) and :class:`KLOptions` (how big an
+update may be: predicted-KL control). Each checks its own values when built and raises a ``ValueError`` that names the option and what would be valid, so
 that a misspelt or out-of-range setting fails at construction, never in the middle of training.
 Checks that need the model (ranks against target shapes, probes against sharding) live in
 :func:`check_targets`.
@@ -43,49 +43,47 @@ def _non_negative_int(name: str, value: Any, minimum: int = 0) -> int:
     return value
 
 
+def param_group_defaults(
+    direction: str, update_ratio: float | None, lr: float | None, beta2: float, eps: float
+) -> dict[str, Any]:
+    """The target group's settings, which live in ``param_groups[0]`` (where LR schedulers and
+    ``load_state_dict`` change them), validated: ``lr_mode`` is ``"update_ratio"`` (``lr`` is the
+    relative update norm ``ρ_upd``: ``η`` makes ``‖η U A‖ = ρ_upd ‖W‖`` over all targets) or
+    ``"lr"`` (``η = lr``)."""
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+    if update_ratio is not None and lr is not None:
+        raise ValueError("give either update_ratio (relative update norm) or lr (plain learning rate), not both")
+    if lr is not None:
+        step_size, lr_mode = positive("lr", lr), "lr"
+    else:
+        step_size = positive("update_ratio", DEFAULT_UPDATE_RATIO if update_ratio is None else update_ratio)
+        lr_mode = "update_ratio"
+    if not 0.0 <= beta2 < 1.0:
+        raise ValueError(f"beta2 must be in [0, 1), got {beta2!r}")
+    return dict(lr=step_size, lr_mode=lr_mode, direction=direction, beta2=beta2, eps=positive("eps", eps))
+
+
 @dataclass(frozen=True)
 class StepOptions:
-    """How accumulated sketches become the merged update ``W ← W − α η U A``.
-
-    ``lr_mode`` is ``"update_ratio"`` (``lr`` is the relative update norm ``ρ_upd``, and ``η`` is
-    chosen so that ``‖η U A‖ = ρ_upd ‖W‖`` over all targets) or ``"lr"`` (``η = lr``).
-    """
+    """The settings of every update that are not the param group's: the projections (rank, seed,
+    kind, refresh) and how a factor is rounded and merged."""
 
     rank: int
-    direction: str = "rowadam"
-    lr: float = DEFAULT_UPDATE_RATIO
-    lr_mode: str = "update_ratio"
     seed: int = 0
     projection: str = "rademacher"
     refresh: bool = True
-    beta2: float = 0.95
-    eps: float = 1e-8
     wire_dtype: torch.dtype | None = torch.bfloat16
     stochastic_rounding: bool = True
 
     def __post_init__(self) -> None:
         _non_negative_int("rank", self.rank, minimum=1)
-        if self.direction not in DIRECTIONS:
-            raise ValueError(f"direction must be one of {DIRECTIONS}, got {self.direction!r}")
         if self.projection not in PROJECTIONS:
             raise ValueError(f"projection must be one of {PROJECTIONS}, got {self.projection!r}")
-        positive(self.lr_mode, self.lr)
-        if not 0.0 <= self.beta2 < 1.0:
-            raise ValueError(f"beta2 must be in [0, 1), got {self.beta2!r}")
-        positive("eps", self.eps)
         if self.wire_dtype is not None and not (
             isinstance(self.wire_dtype, torch.dtype) and self.wire_dtype.is_floating_point
         ):
             raise ValueError(f"wire_dtype must be a floating torch.dtype or None, got {self.wire_dtype!r}")
-
-    @staticmethod
-    def step_size(update_ratio: float | None, lr: float | None) -> tuple[float, str]:
-        """``(value, mode)`` from the two mutually exclusive ways of giving the step size."""
-        if update_ratio is not None and lr is not None:
-            raise ValueError("give either update_ratio (relative update norm) or lr (plain learning rate), not both")
-        if lr is not None:
-            return positive("lr", lr), "lr"
-        return positive("update_ratio", DEFAULT_UPDATE_RATIO if update_ratio is None else update_ratio), "update_ratio"
 
 
 @dataclass(frozen=True)
