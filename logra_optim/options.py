@@ -2,7 +2,8 @@
 
 :func:`param_group_defaults` (the target group's step size and direction settings, which live in
 the param group), :class:`StepOptions` (projections, rounding) and :class:`KLOptions` (how big an
-update may be: predicted-KL control). Each checks its own values when built and raises a ``ValueError`` that names the option and what would be valid, so
+update may be: predicted-KL control). Each checks its own values when built and raises a
+``ValueError`` that names the option and what would be valid, so
 that a misspelt or out-of-range setting fails at construction, never in the middle of training.
 Checks that need the model (ranks against target shapes, probes against sharding) live in
 :func:`check_targets`.

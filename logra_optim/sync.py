@@ -237,26 +237,29 @@ def merge_like_trainer_(
     """Apply one target update to an engine's copy of (rows of) the weight as the trainer applied it
     to its own: ``W[rows] ← W[rows] − F[factor_rows] A``.
 
-    A 32/64-bit copy is merged exactly. A 16-bit copy follows the trainer's rounding: its
-    stochastic rounding with the same seed (bit-identical when the copy holds the whole matrix on
-    the same kind of device), its rounding to nearest, or, for an ``"exact"`` (fp32-master) trainer,
-    Kahan summation through ``compensation`` (same shape and dtype as ``weight``; required then).
+    Against an ``"exact"`` (fp32-master) trainer, a 32/64-bit copy merges exactly and a 16-bit copy
+    keeps ``compensation`` (same shape and dtype as ``weight``; required then): Kahan summation, so
+    that no update is rounded away. Against a bf16 trainer, any copy repeats the trainer's rounding
+    to bf16 (stochastic with the same seed, or to nearest), so that it holds the trainer's values:
+    bit-identical when the copy holds the whole matrix on the same kind of device.
     """
     factor = target.factor.to(weight.device)[factor_rows]
-    if weight.dtype in (torch.float32, torch.float64):
-        merge_low_rank_(weight, factor, projection)
-    elif target.rounding == "exact":
-        if compensation is None:
+    if target.rounding == "exact":
+        if weight.element_size() >= 4:
+            merge_low_rank_(weight, factor, projection)
+        elif compensation is None:
             raise ValueError(f"{target.name!r}: a 16-bit copy of an fp32-master trainer needs a compensation buffer")
-        merge_low_rank_compensated_(weight, compensation, factor, projection)
-    else:
-        generator = None
-        if target.rounding == "stochastic":
-            generator = torch.Generator(device=weight.device)
-            generator.manual_seed(rounding_seed(target.seed, update_index))
-        merge_low_rank_(
-            weight, factor, projection, stochastic_rounding=target.rounding == "stochastic", generator=generator
-        )
+        else:
+            merge_low_rank_compensated_(weight, compensation, factor, projection)
+        return
+    generator = None
+    if target.rounding == "stochastic":
+        generator = torch.Generator(device=weight.device)
+        generator.manual_seed(rounding_seed(target.seed, update_index))
+    copy = weight if weight.dtype == torch.bfloat16 else weight.to(torch.bfloat16)
+    merge_low_rank_(copy, factor, projection, stochastic_rounding=target.rounding == "stochastic", generator=generator)
+    if copy is not weight:
+        weight.copy_(copy)
 
 
 def full_sync_bytes(shapes: list[tuple[int, int]], dtype: torch.dtype = torch.bfloat16) -> int:

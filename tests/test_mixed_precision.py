@@ -145,8 +145,8 @@ def _engine_copies(opt: LoGRAOptimizer, dtype: torch.dtype) -> dict:
     start = {t.parameter_name: t.weight.detach().float().clone() for t in opt.targets}
     copies = {
         "start": start,
-        "engine": {name: w.to(dtype) for name, w in start.items()},
-        "nearest": {name: w.to(dtype) for name, w in start.items()},
+        "engine": {name: w.to(dtype, copy=True) for name, w in start.items()},
+        "nearest": {name: w.to(dtype, copy=True) for name, w in start.items()},
         "compensation": {name: torch.zeros(w.shape, dtype=dtype) for name, w in start.items()},
     }
 
@@ -196,16 +196,17 @@ def test_bf16_engine_copy_follows_200_real_updates_of_fp32_masters():
         assert moved < 0.5, f"{name}: rounding to nearest kept {moved:.0%} of the change"
 
 
-def test_bf16_engine_copy_of_a_bf16_trainer_is_bit_identical():
+@pytest.mark.parametrize("engine_dtype", [torch.bfloat16, torch.float32], ids=["bf16-copy", "fp32-shadow"])
+def test_engine_copy_of_a_bf16_trainer_is_bit_identical(engine_dtype):
     """A trainer whose targets are stored in bf16 rounds every merge stochastically; the engine
     draws the same noise (seeded from the payload) and stays bit-identical, where an engine that
-    tracked the exact sum would drift from it."""
+    tracked the exact sum would drift from it: a bf16 copy, and an fp32 shadow copy too."""
     model = patch_model(tiny_qwen2(seed=8, dtype=torch.bfloat16))
     opt = LoGRAOptimizer(model, rank=4, update_ratio=6e-5)
-    copies = _engine_copies(opt, torch.bfloat16)
+    copies = _engine_copies(opt, engine_dtype)
     _train(model, opt, 50)
     for target in opt.targets:
         name = target.parameter_name
-        assert torch.equal(copies["engine"][name], target.weight.detach()), name
+        assert torch.equal(copies["engine"][name], target.weight.detach().to(engine_dtype)), name
         assert not bool(copies["compensation"][name].any())  # no compensation: the trainer rounds itself
     assert any(not torch.equal(copies["start"][t.parameter_name].bfloat16(), t.weight) for t in opt.targets)
