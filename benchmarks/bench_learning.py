@@ -55,7 +55,7 @@ from logra_optim.cli.runner import WorkerFailed
 METHODS = ("adamw", "adamw-targets", "lora", "logra")
 LOGRA_KNOBS = ("kl_budget", "update_ratio")
 # The centre of each method's default sweep (values spaced by a factor of 3 around it).
-CENTRES = {"adamw": 3e-4, "adamw-targets": 3e-4, "lora": 1e-3, "kl_budget": 1e-2, "update_ratio": 5e-2}
+CENTRES = {"adamw": 3e-4, "adamw-targets": 3e-4, "lora": 1e-3, "kl_budget": 3e-2, "update_ratio": 5e-2}
 SWEEP_FACTOR = 3.0
 # The option holding each sweep's explicit values.
 SWEEP_OPTIONS = {

@@ -349,14 +349,18 @@ class DataParallel:
         return sum_(values, self.group, self.device)
 
     def synchronise(
-        self, buffers: Sequence[torch.Tensor], fingerprint_of: ProjectionFingerprint, sharded_sq: float, finite: bool
-    ) -> tuple[bool, float]:
+        self,
+        buffers: Sequence[torch.Tensor],
+        fingerprint_of: ProjectionFingerprint,
+        sharded_sq: Sequence[float],
+        finite: bool,
+    ) -> tuple[bool, list[float]]:
         """Average ``buffers`` over the ranks, then one all-gather of ``[fingerprint, non-finite flag,
-        sharded ‖W‖²]``: returns (finite on every rank, ``Σ‖W‖²`` of the sharded weights)."""
+        *sharded ‖W_i‖²]``: returns (finite on every rank, each sharded weight's ``‖W_i‖²``)."""
         average_(buffers, self.group)
-        gathered = gather_([fingerprint_of.value(), 0.0 if finite else 1.0, sharded_sq], self.group, self.device)
+        gathered = gather_([fingerprint_of.value(), 0.0 if finite else 1.0, *sharded_sq], self.group, self.device)
         self.check(fingerprint_of, gathered[:, 0])
-        return bool(gathered[:, 1].sum() == 0), float(gathered[:, 2].sum())
+        return bool(gathered[:, 1].sum() == 0), gathered[:, 2:].sum(0).tolist()
 
     def check(self, fingerprint_of: ProjectionFingerprint, gathered: torch.Tensor | None = None) -> None:
         """Fail loudly on every rank if the ranks' projections differ (seeds, update index, targets)."""

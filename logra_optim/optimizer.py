@@ -39,28 +39,37 @@ from .projection import make_projection, projection_seed
 from .sketch import SketchBank
 from .sync import TargetUpdate, Update, rounding_seed
 from .target import Target
-from .updates import low_rank_sq_norm, next_direction, relative_step_size
+from .updates import low_rank_sq_norm, next_direction, step_sizes
 
 
 @dataclass
 class TargetStep:
-    """One target's share of an update: its direction ``U`` and the optimizer state it commits."""
+    """One target's share of an update: its direction ``U``, step size ``η`` and the optimizer state
+    it commits."""
 
     index: int
     direction: torch.Tensor
     state: dict[str, torch.Tensor]
+    eta: float = 0.0
+
+    def factor(self, alpha: float = 1.0) -> torch.Tensor:
+        """``F = α η U``."""
+        return self.direction * (alpha * self.eta)
 
 
 @dataclass
 class StepPlan:
-    """An update before it is applied: every target's direction and the common step size ``η``."""
+    """An update before it is applied: every target's direction and step size."""
 
     steps: list[TargetStep]
-    eta: float
 
     def factors(self) -> list[torch.Tensor]:
         """``F = η U`` per target: the unit step (α = 1) the KL probe measures."""
-        return [step.direction * self.eta for step in self.steps]
+        return [step.factor() for step in self.steps]
+
+    @property
+    def mean_eta(self) -> float:
+        return sum(step.eta for step in self.steps) / max(1, len(self.steps))
 
 
 class LoGRAOptimizer(torch.optim.Optimizer):
@@ -73,9 +82,12 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             (e.g. :class:`~logra_optim.kl.CosineBudget`), or ``None`` to turn KL control off (α = 1).
         direction: ``"rowadam"`` (row second moment, docs/method.md §2) or ``"sgd"`` (``U = S``).
             (``optimizer=`` is the deprecated name of this option.)
-        update_ratio: relative update norm ``ρ_upd``: ``η = ρ_upd · sqrt(Σ‖W‖²/Σ‖UA‖²)`` so that
-            ``‖ΔW‖/‖W‖ = ρ_upd`` at α = 1. Default 6e-5 (the paper's) unless ``lr`` is given. Stored
-            as the group's ``"lr"``, so LR schedulers scale it.
+        update_ratio: relative update norm ``ρ_upd``: at α = 1 every target moves by
+            ``‖ΔW_i‖/‖W_i‖ = ρ_upd`` (``η_i = ρ_upd ‖W_i‖/‖U_i A_i‖``). Default 6e-5 (the paper's)
+            unless ``lr`` is given. Stored as the group's ``"lr"``, so LR schedulers scale it.
+        ratio_scope: ``"target"`` (default: ``ρ_upd`` per target, see
+            :func:`~logra_optim.updates.step_sizes` for why) or ``"model"`` (one ``η`` for all
+            targets, ``‖ΔW‖/‖W‖ = ρ_upd`` over all of them together: the rule before 0.3).
         lr: plain learning-rate mode instead: ``W ← W − lr · α · U A``, no normalisation.
         seed: base seed of the projections.
         projection: ``"rademacher"`` (±1/√r) or ``"gaussian"`` (N(0, 1/r)).
@@ -123,6 +135,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         optimizer: str | None = None,
         update_ratio: float | None = None,
         lr: float | None = None,
+        ratio_scope: str = "target",
         seed: int = 0,
         projection: str = "rademacher",
         refresh: bool = True,
@@ -148,7 +161,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 "LoGRAOptimizer takes the patched model, e.g. LoGRAOptimizer(patch_model(model)), "
                 f"not {type(model).__name__}"
             )
-        defaults = param_group_defaults(direction_option(direction, optimizer), update_ratio, lr, beta2, eps)
+        defaults = param_group_defaults(
+            direction_option(direction, optimizer), update_ratio, lr, beta2, eps, ratio_scope
+        )
         options = StepOptions(
             rank=rank,
             seed=int(seed),
@@ -348,7 +363,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             return loss
         update = self._commit(plan)
         seconds = time.perf_counter() - started
-        self.stats = {"alpha": alpha, "eta": plan.eta, **kl_stats, "step_seconds": seconds, **self._counters()}
+        self.stats = {"alpha": alpha, "eta": plan.mean_eta, **kl_stats, "step_seconds": seconds, **self._counters()}
         for hook in list(self._merge_hooks.values()) if update is not None else ():
             hook(self, update)  # last: the step is complete whatever a hook does
         return loss
@@ -378,25 +393,32 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             "with bf16 autocast (Trainer bf16=True) and fp32 master weights, which need no loss scaling"
         )
 
-    def _plan(self, sharded_sq: float | None) -> StepPlan:
-        """Directions and ``η``; mutates nothing. ``sharded_sq``: ``Σ‖W‖²`` of the sharded weights,
-        summed over the ranks (distributed runs only)."""
+    def _plan(self, sharded_sq: list[float] | None) -> StepPlan:
+        """Directions and step sizes; mutates nothing. ``sharded_sq``: ``‖W_i‖²`` of each sharded
+        weight in target order, summed over the ranks (distributed runs only)."""
         group = self.param_groups[0]
-        steps, weight_sq, update_sq = [], [], []
-        for index, (target, weight) in enumerate(zip(self._targets, self._weights)):
+        steps = []
+        for index, target in enumerate(self._targets):
             direction, state = next_direction(
                 group["direction"], target.state.sketch, self.state.get(target.weight, {}), group["beta2"], group["eps"]
             )
-            steps.append(TargetStep(index, direction, state))
-            if group["lr_mode"] == "update_ratio":
-                if sharded_sq is None or not weight.sharded:  # the whole weight is on this rank
-                    weight_sq.append(weight.sq_norm())
-                update_sq.append(low_rank_sq_norm(direction, target.state.projection))
-        if group["lr_mode"] == "lr":
-            return StepPlan(steps, group["lr"])
-        return StepPlan(
-            steps, relative_step_size(group["lr"], _total(weight_sq) + (sharded_sq or 0.0), _total(update_sq))
-        )
+            steps.append(TargetStep(index, direction, state, eta=group["lr"]))
+        if group["lr_mode"] == "update_ratio":
+            update_sq = _floats(
+                [low_rank_sq_norm(s.direction, t.state.projection) for s, t in zip(steps, self._targets)]
+            )
+            etas = step_sizes(group["lr"], self._weight_sq_norms(sharded_sq), update_sq, group["ratio_scope"])
+            for step, eta in zip(steps, etas):
+                step.eta = eta
+        return StepPlan(steps)
+
+    def _weight_sq_norms(self, sharded_sq: list[float] | None) -> list[float]:
+        """``‖W_i‖²`` of every whole target: computed here where this rank stores all of it, taken
+        from ``sharded_sq`` (already summed over the ranks) where it is sharded."""
+        sharded = iter(sharded_sq or ())
+        local = _floats([w.sq_norm() for w in self._weights if sharded_sq is None or not w.sharded])
+        replicated = iter(local)
+        return [next(sharded) if sharded_sq is not None and w.sharded else next(replicated) for w in self._weights]
 
     def _apply(self, plan: StepPlan) -> tuple[float, dict[str, Any]]:
         """Choose α and merge; raises :class:`UpdateSkipped` with the weights untouched."""
@@ -427,7 +449,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
     def _merge(self, plan: StepPlan, alpha: float) -> None:
         for step in plan.steps:  # one factor at a time: all of them would weigh as much as the sketches
             target, weight = self._targets[step.index], self._weights[step.index]
-            factor = step.direction * (alpha * plan.eta)
+            factor = step.factor(alpha)
             if self.options.wire_dtype is not None:
                 factor = factor.to(self.options.wire_dtype)
             generator, local = None, weight.local()
@@ -505,18 +527,18 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             tuple(dp.projection_checksum(t.state.projection) for t in self._targets),
         )
 
-    def _synchronise(self) -> tuple[bool, float | None]:
-        """(every rank's sketches and non-target gradients are finite, the sharded ``Σ‖W‖²`` or ``None``
-        in one process), averaging the sketches over the ranks on the way."""
+    def _synchronise(self) -> tuple[bool, list[float] | None]:
+        """(every rank's sketches and non-target gradients are finite, each sharded weight's ``‖W_i‖²``
+        or ``None`` in one process), averaging the sketches over the ranks on the way."""
         if self._ranks is None:
             return self._bank.all_finite() and self._local_all_finite(), None
         sharded = (
-            [w.sq_norm() for w in self._weights if w.sharded]
+            _floats([w.sq_norm() for w in self._weights if w.sharded])
             if self.param_groups[0]["lr_mode"] == "update_ratio"
             else []
         )
         return self._ranks.synchronise(
-            self._bank.flat_buffers(), self._fingerprint(), _total(sharded), self._local_all_finite()
+            self._bank.flat_buffers(), self._fingerprint(), sharded, self._local_all_finite()
         )
 
     def _local_all_finite(self) -> bool:
@@ -602,12 +624,16 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         )
 
 
-def _total(values: list[torch.Tensor]) -> float:
-    """Sum of scalar tensors with one host sync per device (targets may sit on several devices)."""
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for value in values:
-        by_device.setdefault(value.device, []).append(value)
-    return sum(float(torch.stack(group).sum()) for group in by_device.values())
+def _floats(values: list[torch.Tensor]) -> list[float]:
+    """Scalar tensors as floats, with one host sync per device (targets may sit on several devices)."""
+    by_device: dict[torch.device, list[int]] = {}
+    for position, value in enumerate(values):
+        by_device.setdefault(value.device, []).append(position)
+    result = [0.0] * len(values)
+    for positions in by_device.values():
+        for position, value in zip(positions, torch.stack([values[p] for p in positions]).tolist()):
+            result[position] = float(value)
+    return result
 
 
 def _release(states: list[TargetState], control: KLController) -> None:

@@ -24,6 +24,7 @@ from . import distributed as dp
 from .probe import LogitsFn
 from .projection import PROJECTIONS
 from .target import Target
+from .updates import RATIO_SCOPES
 
 DIRECTIONS = ("rowadam", "sgd")
 PROBES = ("jvp", "finite_difference")
@@ -45,12 +46,17 @@ def _non_negative_int(name: str, value: Any, minimum: int = 0) -> int:
 
 
 def param_group_defaults(
-    direction: str, update_ratio: float | None, lr: float | None, beta2: float, eps: float
+    direction: str,
+    update_ratio: float | None,
+    lr: float | None,
+    beta2: float,
+    eps: float,
+    ratio_scope: str = "target",
 ) -> dict[str, Any]:
     """The target group's settings, which live in ``param_groups[0]`` (where LR schedulers and
     ``load_state_dict`` change them), validated: ``lr_mode`` is ``"update_ratio"`` (``lr`` is the
-    relative update norm ``ρ_upd``: ``η`` makes ``‖η U A‖ = ρ_upd ‖W‖`` over all targets) or
-    ``"lr"`` (``η = lr``)."""
+    relative update norm ``ρ_upd``: ``η_i`` makes ``‖η_i U_i A_i‖ = ρ_upd ‖W_i‖`` per target, or over
+    all targets together with ``ratio_scope="model"``) or ``"lr"`` (``η = lr``)."""
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
     if update_ratio is not None and lr is not None:
@@ -62,7 +68,16 @@ def param_group_defaults(
         lr_mode = "update_ratio"
     if not 0.0 <= beta2 < 1.0:
         raise ValueError(f"beta2 must be in [0, 1), got {beta2!r}")
-    return dict(lr=step_size, lr_mode=lr_mode, direction=direction, beta2=beta2, eps=positive("eps", eps))
+    if ratio_scope not in RATIO_SCOPES:
+        raise ValueError(f"ratio_scope must be one of {RATIO_SCOPES}, got {ratio_scope!r}")
+    return dict(
+        lr=step_size,
+        lr_mode=lr_mode,
+        direction=direction,
+        beta2=beta2,
+        eps=positive("eps", eps),
+        ratio_scope=ratio_scope,
+    )
 
 
 @dataclass(frozen=True)
@@ -196,7 +211,10 @@ def direction_option(direction: str | None, optimizer: str | None) -> str:
 
 
 def upgrade_param_group(group: dict) -> dict:
-    """A param group saved before ``optimizer`` was renamed ``direction``, with the new key."""
+    """A param group saved by an older version, with today's keys: ``optimizer`` was renamed
+    ``direction``, and a group without ``ratio_scope`` used one step size for all targets."""
     if "optimizer" in group and "direction" not in group:
         group = {("direction" if key == "optimizer" else key): value for key, value in group.items()}
+    if "ratio_scope" not in group:
+        group = {**group, "ratio_scope": "model"}
     return group

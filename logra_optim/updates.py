@@ -9,6 +9,7 @@ references in the tests.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -79,13 +80,45 @@ def low_rank_sq_norm(factor: torch.Tensor, projection: torch.Tensor) -> torch.Te
 
 
 def relative_step_size(update_ratio: float, weight_sq_norm: float, update_sq_norm: float) -> float:
-    """``η = ρ_upd · sqrt(Σ‖W‖² / Σ‖UA‖²)``: at α = 1 the whole update has ``‖ΔW‖/‖W‖ = ρ_upd``.
+    """``η = ρ_upd · sqrt(‖W‖² / ‖UA‖²)``: at α = 1 the update has ``‖ΔW‖/‖W‖ = ρ_upd``.
 
     Returns 0 for a zero direction (there is nothing to scale).
     """
     if update_sq_norm <= 0.0:
         return 0.0
     return update_ratio * math.sqrt(weight_sq_norm / update_sq_norm)
+
+
+RATIO_SCOPES = ("target", "model")
+
+
+def step_sizes(
+    update_ratio: float, weight_sq_norms: Sequence[float], update_sq_norms: Sequence[float], scope: str = "target"
+) -> list[float]:
+    """``η_i`` of every target, so that at α = 1 the update moves by ``ρ_upd`` relative to the weights.
+
+    ``scope="target"``: every target moves by the same relative amount, ``‖ΔW_i‖ = ρ_upd ‖W_i‖``
+    (a layer-wise trust ratio, as in LARS/LAMB). ``scope="model"``: one ``η`` for all, so that
+    ``‖ΔW‖ = ρ_upd ‖W‖`` over all targets together.
+
+    Why ``"target"`` is the default: with one shared ``η`` each target's share of the step is
+    proportional to its gradient norm, and gradient norms differ by orders of magnitude between
+    layers (the largest ones are also where the policy is most sensitive). The update then
+    spends its KL budget on the few targets with the largest gradients while the rest barely
+    move; Adam, whose per-element normalisation removes each layer's gradient scale, does not.
+    A target whose weight is all zeros has nothing to be relative to and gets the model-wide ``η``.
+    """
+    if scope not in RATIO_SCOPES:
+        raise ValueError(f"ratio_scope must be one of {RATIO_SCOPES}, got {scope!r}")
+    if len(weight_sq_norms) != len(update_sq_norms):
+        raise ValueError(f"got {len(weight_sq_norms)} weight norms for {len(update_sq_norms)} update norms")
+    shared = relative_step_size(update_ratio, math.fsum(weight_sq_norms), math.fsum(update_sq_norms))
+    if scope == "model":
+        return [shared] * len(update_sq_norms)
+    return [
+        relative_step_size(update_ratio, weight, update) if weight > 0.0 else shared * (update > 0.0)
+        for weight, update in zip(weight_sq_norms, update_sq_norms)
+    ]
 
 
 def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -130,14 +130,15 @@ def test_lr_scheduler_drives_the_step(variant):
             u, moments[i] = reference.direction(variant["direction"], s, moments[i], step)
             directions.append(u)
         if mode == "lr":
-            eta = base * factor
+            etas = [base * factor] * len(before)
         else:
-            eta = reference.step_size(base * factor, [w for w, _, _ in before], directions, [a for _, _, a in before])
+            weights, projections = [w for w, _, _ in before], [a for _, _, a in before]
+            etas = reference.step_sizes(base * factor, weights, directions, projections)
             after = [t.weight for t in opt.targets]
             assert reference.relative_update_norm([w for w, _, _ in before], after) == pytest.approx(
                 base * factor, rel=1e-4
             )
-        for target, (w, _, a), u in zip(opt.targets, before, directions):
+        for target, (w, _, a), u, eta in zip(opt.targets, before, directions, etas):
             update = (eta * u).abs() @ a.abs()
             # fp32 merge (r + 2 roundings) and an fp32 U and η (RowAdam, Gram norms) within 1e-5.
             bound = (RANK + 2) * U32 * (w.abs() + update) + 1e-5 * update

@@ -73,10 +73,10 @@ def test_merge_matches_dense_reference(direction, mode, wire, refresh, kind, ran
             u, moments[i] = reference.direction(direction, s, moments[i], step)
             directions.append(u)
         if mode == "lr":
-            eta = size
+            etas = [size] * len(before)
         else:
-            eta = reference.step_size(size, [w for w, _, _ in before], directions, [a for _, _, a in before])
-        for (name, module), (w, _, a), u in zip(targets(model), before, directions):
+            etas = reference.step_sizes(size, [w for w, _, _ in before], directions, [a for _, _, a in before])
+        for (name, module), (w, _, a), u, eta in zip(targets(model), before, directions, etas):
             factor = eta * u
             relative_factor_error = 1e-5
             if wire is not None:
@@ -134,6 +134,35 @@ def test_update_ratio_sets_the_relative_update_norm(wire, direction):
         after = [m.weight for _, m in targets(model)]
         # fp32 storage of W (~6e-8 relative to W) seen through a 1e-3 update: ~1e-4; bf16 factor: 2⁻⁸.
         assert math.isclose(reference.relative_update_norm(before, after), ratio, rel_tol=U16 if wire else 1e-3)
+
+
+def test_ratio_scope_target_moves_every_target_by_the_same_relative_amount():
+    """Default ``ratio_scope="target"``: each target moves by ρ of its own norm even when one layer's
+    gradient is 1000× another's; with ``"model"`` the large-gradient layer takes nearly all the step."""
+    ratio = 1e-3
+    for scope in ("target", "model"):
+        model, opt = two_linear(rank=4, update_ratio=ratio, wire_dtype=None, ratio_scope=scope)
+        assert opt.param_groups[0]["ratio_scope"] == scope
+        backward_random(model, torch.Generator().manual_seed(0))
+        opt.targets[0].state.sketch.mul_(1000.0)  # a layer with a much larger gradient
+        before = [m.weight.detach().double().clone() for _, m in targets(model)]
+        opt.step()
+        ratios = [reference.relative_update_norm([b], [m.weight]) for b, (_, m) in zip(before, targets(model))]
+        after = [m.weight for _, m in targets(model)]
+        assert math.isclose(reference.relative_update_norm(before, after), ratio, rel_tol=1e-3)
+        if scope == "target":
+            assert all(math.isclose(r, ratio, rel_tol=1e-3) for r in ratios), ratios
+        else:
+            assert ratios[1] < 1e-2 * ratios[0], ratios
+
+
+def test_checkpoint_without_ratio_scope_resumes_with_one_step_size():
+    """A state_dict saved before ``ratio_scope`` existed resumes with the rule it was trained with."""
+    model, opt = two_linear(rank=4, update_ratio=1e-3)
+    state = opt.state_dict()
+    del state["param_groups"][0]["ratio_scope"]
+    opt.load_state_dict(state)
+    assert opt.param_groups[0]["ratio_scope"] == "model"
 
 
 def test_rowadam_row_moment_survives_projection_refresh():

@@ -13,6 +13,7 @@ from logra_optim.updates import (
     low_rank_sq_norm,
     merge_low_rank_,
     relative_step_size,
+    step_sizes,
     rowadam_direction,
     stochastic_round_to_bf16,
 )
@@ -170,6 +171,49 @@ def test_relative_step_size_gives_the_requested_global_update_norm(ratio, shapes
 
 def test_relative_step_size_of_a_zero_direction_is_zero():
     assert relative_step_size(1e-3, 4.0, 0.0) == 0.0
+
+
+@given(
+    ratio=st.floats(1e-8, 1.0),
+    shapes=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 16), st.integers(1, 6)), min_size=1, max_size=4),
+    scales=st.lists(st.floats(1e-6, 1e6), min_size=4, max_size=4),
+    seed=st.integers(0, 2**31 - 1),
+)
+@settings(max_examples=40)
+def test_step_sizes_per_target_and_per_model(ratio, shapes, scales, seed):
+    """``"target"``: every target's own ‖ΔW_i‖/‖W_i‖ is ρ, however different the gradient scales;
+    ``"model"``: one η, and only the total is ρ."""
+    generator = torch.Generator().manual_seed(seed)
+    weights = [torch.randn(d, k, generator=generator, dtype=torch.float64) for d, k, _ in shapes]
+    updates = [
+        scale
+        * torch.randn(d, r, generator=generator, dtype=torch.float64)
+        @ torch.randn(r, k, generator=generator, dtype=torch.float64)
+        for (d, k, r), scale in zip(shapes, scales)
+    ]
+    w_sq = [float(w.square().sum()) for w in weights]
+    u_sq = [float(u.square().sum()) for u in updates]
+    per_target = step_sizes(ratio, w_sq, u_sq, "target")
+    for eta, w, u in zip(per_target, w_sq, u_sq):
+        assert math.isclose(eta * math.sqrt(u / w), ratio, rel_tol=1e-12)
+    shared = step_sizes(ratio, w_sq, u_sq, "model")
+    assert len(set(shared)) == 1 and shared[0] == relative_step_size(ratio, math.fsum(w_sq), math.fsum(u_sq))
+    # Both move the targets by ρ in total.
+    for etas in (per_target, shared):
+        total = math.fsum(eta**2 * u for eta, u in zip(etas, u_sq))
+        assert math.isclose(math.sqrt(total / math.fsum(w_sq)), ratio, rel_tol=1e-9)
+
+
+def test_step_sizes_edge_cases():
+    # A zero direction does not move; an all-zero weight has nothing to be relative to: the model-wide η.
+    assert step_sizes(1e-2, [4.0, 9.0], [0.0, 1.0]) == [0.0, pytest.approx(3e-2)]
+    shared = relative_step_size(1e-2, 4.0, 2.0)
+    assert step_sizes(1e-2, [4.0, 0.0], [1.0, 1.0]) == [pytest.approx(2e-2), pytest.approx(shared)]
+    assert step_sizes(1e-2, [0.0], [0.0]) == [0.0]
+    with pytest.raises(ValueError, match="ratio_scope must be one of"):
+        step_sizes(1e-2, [1.0], [1.0], "layer")
+    with pytest.raises(ValueError, match="2 weight norms for 1 update norms"):
+        step_sizes(1e-2, [1.0, 1.0], [1.0])
 
 
 # --------------------------------------------------------------------------------------------------

@@ -55,11 +55,14 @@ class DemoSettings:
     digits: int = 1
     steps: int = 300
     rank: int = 32
-    kl_budget: float = 1e-2
+    kl_budget: float = 3e-2
     # The relative step before KL control scales it; the default 6e-5 is for billion-parameter
     # models and would cap α (at alpha_max) long before this tiny one reaches the budget.
     update_ratio: float = 5e-2
     probe_samples: int = 32  # completions are 2–3 tokens: probe more of them than the default 2
+    # LoGRA's realised-KL check: measure each update's KL on the probe contexts after the merge and
+    # redo it with a rescaled α when it misses the budget by more than 10%.
+    realised_kl_check: bool = False
     adamw_lr: float = 3e-4
     warm_start_steps: int = 1000
     warm_start_reward: float = 0.45
@@ -372,6 +375,7 @@ def run_worker(spec: dict) -> dict:
             kl_budget=settings.kl_budget,
             update_ratio=settings.update_ratio,
             probe_samples=settings.probe_samples,
+            realised_kl_check=settings.realised_kl_check,
         )
     started = time.perf_counter()
     trainer.train()

@@ -51,13 +51,20 @@ def direction(optimizer: str, sketch: torch.Tensor, moment: torch.Tensor, step: 
     return rowadam_step(sketch, moment, step, beta2, eps)
 
 
-def step_size(
-    ratio: float, weights: Sequence[torch.Tensor], directions: Sequence[torch.Tensor], projections: Sequence
-) -> float:
-    """``η`` of ``update_ratio`` mode: ``ρ · sqrt(Σ‖W‖² / Σ‖U A‖²)`` over a group's targets."""
-    w_sq = sum(float(w.double().square().sum()) for w in weights)
-    u_sq = sum(float((u.double() @ a.double()).square().sum()) for u, a in zip(directions, projections))
-    return ratio * math.sqrt(w_sq / u_sq)
+def step_sizes(
+    ratio: float,
+    weights: Sequence[torch.Tensor],
+    directions: Sequence[torch.Tensor],
+    projections: Sequence,
+    scope: str = "target",
+) -> list[float]:
+    """``η_i`` of ``update_ratio`` mode: ``ρ · ‖W_i‖/‖U_i A_i‖`` per target (``scope="target"``) or
+    ``ρ · sqrt(Σ‖W‖² / Σ‖U A‖²)`` for all (``"model"``)."""
+    w_sq = [float(w.double().square().sum()) for w in weights]
+    u_sq = [float((u.double() @ a.double()).square().sum()) for u, a in zip(directions, projections)]
+    if scope == "model":
+        return [ratio * math.sqrt(sum(w_sq) / sum(u_sq))] * len(w_sq)
+    return [ratio * math.sqrt(w / u) for w, u in zip(w_sq, u_sq)]
 
 
 def merged(weight: torch.Tensor, factor: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:

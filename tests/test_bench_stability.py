@@ -1,0 +1,98 @@
+"""``benchmarks/bench_stability.py``: the verdict's arithmetic on made-up runs (collapse, KL over
+budget, skips, missing measurements), and a real short run end to end."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_stability.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("bench_stability", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = load_script()
+
+
+def record(rewards, realised, nonfinite=0, probe=0):
+    n = len(rewards)
+    return {
+        "train_rewards": rewards,
+        "before": {"reward": 0.4},
+        "after": {"reward": 0.6},
+        "logra_stats": {
+            "logra/realised_kl": realised,
+            "logra/nonfinite_skips": [0.0] * (n - 1) + [float(nonfinite)],
+            "logra/probe_skips": [0.0] * (n - 1) + [float(probe)],
+        },
+    }
+
+
+def test_a_steady_run_is_stable():
+    verdict = bench.summarise(record([0.3, 0.4, 0.5, 0.6], [0.01, 0.011, 0.009, 0.0105]), 0.01, 2, 0.05)
+    assert verdict["stable"] and not verdict["collapsed"]
+    assert verdict["reward_first_window"] == pytest.approx(0.35) and verdict["reward_last_window"] == pytest.approx(
+        0.55
+    )
+    assert verdict["kl_over_budget"] == 0 and verdict["kl_ratio_max"] == pytest.approx(1.1)
+
+
+@pytest.mark.parametrize(
+    "run, key, value",
+    [
+        (record([0.5, 0.6, 0.3, 0.3], [0.01] * 4), "collapsed", True),  # last window 0.3, best 0.55
+        (record([0.3, 0.4, 0.5, 0.6], [0.01, 0.02, 0.01, 0.01]), "kl_over_budget", 1),  # 2× the budget once
+        (record([0.3, 0.4, 0.5, 0.6], [0.01, float("nan"), 0.01, 0.01]), "kl_non_finite", 1),
+        (record([0.3, 0.4, 0.5, 0.6], [0.01] * 3), "kl_measured", 3),  # an update without a measurement
+        (record([0.3, 0.4, 0.5, 0.6], [0.01] * 4, nonfinite=1), "nonfinite_skips", 1),
+        (record([0.3, 0.4, 0.5, 0.6], [0.01] * 4, probe=2), "probe_skips", 2),
+    ],
+)
+def test_every_failure_mode_makes_a_run_unstable(run, key, value):
+    verdict = bench.summarise(run, 0.01, 2, 0.05)
+    assert verdict[key] == value
+    assert not verdict["stable"]
+
+
+def test_short_run_end_to_end(tmp_path):
+    """A real GRPO run with LoGRA and the realised-KL check: every update has a measured KL, and the
+    table, JSON and plot are written."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--steps",
+            "6",
+            "--window",
+            "3",
+            "--batch-size",
+            "32",
+            "--warm-start-steps",
+            "20",
+            "--output",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        check=False,
+    )
+    assert result.returncode in (0, 1), result.stderr[-3000:]
+    report = json.loads((tmp_path / "stability.json").read_text())
+    verdict = report["seeds"]["0"]
+    assert verdict["updates"] == 6 and verdict["kl_measured"] == 6
+    assert result.returncode == (0 if verdict["stable"] else 1)
+    assert "| 0 |" in (tmp_path / "stability.md").read_text()
+    assert (tmp_path / "stability.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
