@@ -107,6 +107,7 @@ def test_unwritable_output_dir_is_refused(capsys, tmp_path):
         (["demo", "--kl-budget", "nan"], "--kl-budget"),
         (["demo", "--device", "gpu"], "--device"),
         (["demo", "--task", "chess"], "--task"),
+        (["demo", "--policy", "huge"], "--policy"),
         (["demo", "--methods", "logra,sgd"], "--methods"),
         (["demo", "--seeds", "1,x"], "--seeds"),
         (["demo", "--seeds", "1,1"], "--seeds"),
@@ -158,6 +159,19 @@ def test_a_saved_tiny_policy_reloads_with_the_tokenizer_it_was_trained_with(task
     _, reloaded = demo.load_policy(demo.DemoSettings(output=str(tmp_path)), str(tmp_path))
     for problem in tasks.make_problems(task, 20, digits=2, style="spaced", seed=1):
         assert reloaded(problem.prompt)["input_ids"] == tokenizer(problem.prompt)["input_ids"], problem.prompt
+
+
+def test_small_policy_is_mostly_targets():
+    """``--policy small``: ≥ 10 M target parameters and ≥ 95% of the model, like a real LLM, so that
+    gradients and optimizer state, not the interpreter, decide the demo's memory column."""
+    from logra_optim import find_target_modules
+    from logra_optim.cli import demo
+
+    model = demo.build_tiny_policy(demo.build_tokenizer(), seed=0, size="small")
+    targets = sum(module.weight.numel() for _, module in find_target_modules(model))
+    assert targets >= 10_000_000 and targets >= 0.95 * sum(p.numel() for p in model.parameters())
+    with pytest.raises(ValueError, match="policy must be one of"):
+        demo.build_tiny_policy(demo.build_tokenizer(), seed=0, size="huge")
 
 
 def test_addition_answers_are_the_sums():

@@ -71,6 +71,7 @@ class DemoSettings:
     seeds: list[int] = field(default_factory=lambda: [0])
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     model: str | None = None
+    policy: str = "tiny"  # the built-in policy without --model: a key of POLICIES
     device: str = "auto"
     threads: int | None = None
 
@@ -85,6 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = DemoSettings(output="")
     parser.add_argument(
         "--model", type=model_dir, help="a local Hugging Face causal LM; without it, a tiny Qwen2 built here"
+    )
+    parser.add_argument(
+        "--policy", choices=sorted(POLICIES), default=defaults.policy, help="the built-in policy (without --model)"
     )
     parser.add_argument("--task", choices=sorted(tasks.TASKS), default="addition", help="the verifiable task")
     parser.add_argument("--digits", type=positive_int, default=defaults.digits, help="operand digits (sort: digits+2)")
@@ -135,6 +139,7 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         seeds=args.seeds,
         methods=args.methods,
         model=args.model,
+        policy=args.policy,
         device=args.device,
         warm_start_reward=args.warm_start_reward,
     )
@@ -164,18 +169,25 @@ def build_tokenizer():
     return tokenizer
 
 
-def build_tiny_policy(tokenizer, seed: int):
-    """A 2-layer Qwen2 (hidden 128, ~0.4 M parameters): big enough to add, small enough for 2 cores."""
+# Built-in policies (Qwen2 shapes): ``tiny`` learns the task in seconds but is so small that the
+# interpreter, not the optimizer, decides its memory and time; ``small`` has 11 M target parameters
+# (99.9% of the model), where gradients and optimizer state decide them, as in a real LLM.
+POLICIES = {
+    "tiny": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4, head_dim=32),
+    "small": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8, head_dim=64),
+}
+
+
+def build_tiny_policy(tokenizer, seed: int, size: str = "tiny"):
+    """A Qwen2 of ``POLICIES[size]`` with 2 KV heads and tied embeddings, built from a config."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    if size not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {size!r}")
     config = Qwen2Config(
         vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=352,
-        num_hidden_layers=2,
-        num_attention_heads=4,
+        **POLICIES[size],
         num_key_value_heads=2,
-        head_dim=32,
         max_position_embeddings=64,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
@@ -431,7 +443,7 @@ def prepare_warm_starts(settings: DemoSettings, device: str, console) -> None:
             model, tokenizer = load_policy(settings)
         else:
             tokenizer = build_tokenizer()
-            model = build_tiny_policy(tokenizer, seed)
+            model = build_tiny_policy(tokenizer, seed, settings.policy)
         if settings.warm_start_steps:
             with Progress(console=console, transient=True) as progress:
                 bar = progress.add_task(f"warm start (supervised), seed {seed}", total=settings.warm_start_steps)
