@@ -140,7 +140,7 @@ def sweeps_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> di
 def overrides(method: str, knob: str, value: float) -> dict:
     """The ``DemoSettings`` fields of one sweep setting."""
     if knob == "lr":
-        return {"adamw_lr": value}
+        return {"lora_lr": value} if method == "lora" else {"adamw_lr": value}
     if knob == "kl_budget":
         return {"kl_budget": value}
     return {"kl_budget": None, "update_ratio": value}  # a fixed relative step, no KL control

@@ -108,6 +108,8 @@ def test_unwritable_output_dir_is_refused(capsys, tmp_path):
         (["demo", "--device", "gpu"], "--device"),
         (["demo", "--task", "chess"], "--task"),
         (["demo", "--policy", "huge"], "--policy"),
+        (["demo", "--eval-every", "-1"], "--eval-every"),
+        (["demo", "--lora-lr", "0"], "--lora-lr"),
         (["demo", "--methods", "logra,sgd"], "--methods"),
         (["demo", "--seeds", "1,x"], "--seeds"),
         (["demo", "--seeds", "1,1"], "--seeds"),
@@ -230,22 +232,28 @@ def test_a_crashing_worker_is_a_clear_error_naming_it():
 
 
 def test_quick_demo_learns_and_reports(tmp_path):
-    """The README's first command in its 2-minute form: both methods train from one warm start,
+    """The README's first command in its short form: all four methods train from one warm start,
     LoGRA improves the held-out reward and does no worse than dense AdamW beyond the noise of 60
-    updates (the learning comparison proper is benchmarks/bench_learning.py), and table, JSON and
-    plots exist."""
-    result = run_cli("demo", "--quick", "--output", str(tmp_path))
+    updates (the learning comparison proper is benchmarks/bench_learning.py), greedy evaluations
+    during RL are recorded, and table, JSON and plots exist."""
+    result = run_cli("demo", "--quick", "--eval-every", "30", "--output", str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "LoGRA" in result.stdout and "dense AdamW" in result.stdout
+    for label in ("LoGRA", "dense AdamW", "AdamW on LoGRA's targets", "LoRA"):
+        assert label in result.stdout
     summary = json.loads((tmp_path / "summary.json").read_text())
     runs = {run["method"]: run for run in summary["runs"]}
-    assert set(runs) == {"logra", "adamw"}
+    assert set(runs) == {"logra", "adamw", "adamw-targets", "lora"}
     for run in runs.values():
         assert len(run["train_rewards"]) == 60
         assert run["peak_bytes"] > 0 and run["seconds_per_update"] > 0
         assert 0.0 <= run["before"]["reward"] <= 1.0 and 0.0 <= run["after"]["reward"] <= 1.0
-    # Same warm start, so the same starting point; the run learns; and keeps up with dense AdamW.
-    assert runs["logra"]["before"] == runs["adamw"]["before"]
+        assert [step for step, _ in run["evaluations"]] == [0, 30, 60]
+        assert run["evaluations"][0][1] == run["before"]["reward"]
+        assert run["evaluations"][-1][1] == run["after"]["reward"]  # the same policy, evaluated the same way
+        # Every method starts from the same warm start.
+        assert run["before"] == runs["logra"]["before"]
+    # LoRA trains adapters of rank r on the targets; AdamW on the targets exactly LoGRA's weights.
+    assert runs["lora"]["trained_params"] < runs["adamw-targets"]["trained_params"] < runs["adamw"]["trained_params"]
     assert runs["logra"]["after"]["reward"] > runs["logra"]["before"]["reward"]
     assert runs["logra"]["after"]["reward"] > runs["adamw"]["after"]["reward"] - 0.1
     assert runs["logra"]["logra_stats"]["logra/alpha"], "LoGRA's stats reach the training logs"

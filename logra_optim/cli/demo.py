@@ -1,22 +1,24 @@
-"""``logra demo``: GRPO with verifiable rewards, trained by LoGRA and by dense AdamW side by side.
+"""``logra demo``: GRPO with verifiable rewards, trained by LoGRA and the methods it replaces, side by side.
 
 What it does, and why each piece is there:
 
-1. **Policy.** Without ``--model``, a tiny Qwen2 built from a config and a one-token-per-character
-   tokenizer built in memory: nothing is downloaded, and 2 CPU cores train it in minutes. With
+1. **Policy.** Without ``--model``, a Qwen2 built from a config (``--policy``: ``tiny`` or
+   ``small``) and a one-token-per-symbol tokenizer built in memory: nothing is downloaded. With
    ``--model PATH``, any local Hugging Face causal LM and its tokenizer.
 2. **Warm start.** A randomly initialised policy never produces a correct digit, so every GRPO group
    would have zero advantage. A short supervised pass on correct answers (AdamW, answer tokens only)
-   brings it to partial competence; both methods start from this same checkpoint.
-3. **RL.** TRL's ``GRPOTrainer`` on fresh problems, once with ``attach_logra`` (the two-line change
-   of the README) and once with dense AdamW on every parameter, each seed in a fresh process
+   brings it to partial competence; every method starts from this same checkpoint.
+3. **RL.** TRL's ``GRPOTrainer`` on fresh problems, once per method: LoGRA (``attach_logra``, the
+   two-line change of the README), dense AdamW on every parameter, AdamW on exactly LoGRA's target
+   matrices, and LoRA on the same target modules; each seed in a fresh process
    (``runner.run_fresh``) so that peak memory is the run's own (RSS above the post-import level on
    CPU, the allocator's peak on CUDA).
-4. **Evaluation.** Greedy decoding on held-out problems before and after RL: mean reward and exact
-   accuracy, which the noisy sampled training reward cannot show.
+4. **Evaluation.** Greedy decoding on held-out problems before RL, every ``--eval-every`` updates
+   and after RL: mean reward and exact accuracy, which the noisy sampled training reward cannot
+   show. Evaluation time is not counted in the time per update.
 
-The parent process prints a table and saves ``reward.png`` (training reward curves) and
-``memory.png`` next to ``summary.json`` in the output directory.
+The parent process prints a table and saves ``reward.png`` (training reward curves and greedy
+evaluations) and ``memory.png`` next to ``summary.json`` in the output directory.
 """
 
 from __future__ import annotations
@@ -37,9 +39,11 @@ from .arguments import choice_list, device, int_list, model_dir, positive_float,
 from .measure import MIB, memory_baseline, peak_memory, ratio, resolve_device
 from .runner import run_fresh
 
-METHODS = ("logra", "adamw")
-# What a worker can run: the demo's two methods, and the references of ``benchmarks/bench_learning.py``.
-WORKER_METHODS = (*METHODS, "adamw-targets", "lora")
+# LoGRA and the three ways to train the same model it is measured against: dense AdamW on every
+# parameter, AdamW on exactly LoGRA's target matrices, and LoRA on the same target modules.
+METHODS = ("logra", "adamw", "adamw-targets", "lora")
+WORKER_METHODS = METHODS
+COLORS = {"logra": "tab:blue", "adamw": "tab:orange", "adamw-targets": "tab:green", "lora": "tab:red"}
 LABELS = {"logra": "LoGRA", "adamw": "dense AdamW", "adamw-targets": "AdamW on LoGRA's targets", "lora": "LoRA"}
 SPECIAL_TOKENS = {"pad": "<pad>", "eos": "<eos>", "unk": "<unk>", "bos": "<bos>"}
 EVAL_PROBLEMS = 256
@@ -63,7 +67,9 @@ class DemoSettings:
     # LoGRA's realised-KL check: measure each update's KL on the probe contexts after the merge and
     # redo it with a rescaled α when it misses the budget by more than 10%.
     realised_kl_check: bool = False
-    adamw_lr: float = 3e-4
+    adamw_lr: float = 3e-4  # dense AdamW and AdamW on the targets
+    lora_lr: float = 1e-3
+    eval_every: int = 50  # greedy evaluation every this many updates (0: before and after RL only)
     warm_start_steps: int = 1000
     warm_start_reward: float = 0.45
     batch_size: int = 64
@@ -95,7 +101,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=positive_int, default=defaults.steps, help="GRPO updates per run")
     parser.add_argument("--rank", type=positive_int, default=defaults.rank, help="LoGRA sketch rank")
     parser.add_argument("--kl-budget", type=positive_float, default=defaults.kl_budget, help="LoGRA KL per update")
-    parser.add_argument("--adamw-lr", type=positive_float, default=defaults.adamw_lr, help="dense AdamW learning rate")
+    parser.add_argument(
+        "--adamw-lr", type=positive_float, default=defaults.adamw_lr, help="learning rate of both AdamW methods"
+    )
+    parser.add_argument("--lora-lr", type=positive_float, default=defaults.lora_lr, help="LoRA's learning rate")
+    parser.add_argument(
+        "--eval-every", type=int, default=defaults.eval_every, help="greedy evaluation every N updates (0: off)"
+    )
     parser.add_argument(
         "--warm-start-steps",
         type=int,
@@ -127,6 +139,8 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error(f"--warm-start-steps must be ≥ 0, got {warm}")
     if not 0.0 <= args.warm_start_reward <= 1.0:
         parser.error(f"--warm-start-reward must be in [0, 1] (rewards are), got {args.warm_start_reward}")
+    if args.eval_every < 0:
+        parser.error(f"--eval-every must be ≥ 0 (0 turns the evaluations during RL off), got {args.eval_every}")
     settings = DemoSettings(
         output=os.path.abspath(args.output),
         task=args.task,
@@ -135,6 +149,8 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         rank=args.rank,
         kl_budget=args.kl_budget,
         adamw_lr=args.adamw_lr,
+        lora_lr=args.lora_lr,
+        eval_every=args.eval_every,
         warm_start_steps=warm,
         seeds=args.seeds,
         methods=args.methods,
@@ -304,7 +320,7 @@ def _grpo_config(settings: DemoSettings, method: str, seed: int, device: str):
         num_generations=settings.num_generations,
         max_completion_length=tasks.answer_length(settings.task, settings.digits) + 1,
         temperature=1.0,
-        learning_rate=settings.adamw_lr,
+        learning_rate=settings.lora_lr if method == "lora" else settings.adamw_lr,
         lr_scheduler_type="constant",
         warmup_steps=0,
         weight_decay=0.0,
@@ -370,13 +386,14 @@ def run_worker(spec: dict) -> dict:
         settings.task, settings.steps * settings.batch_size, digits=settings.digits, style=settings.style, seed=seed
     )
     dataset = Dataset.from_dict({"prompt": [p.prompt for p in problems], "answer": [p.answer for p in problems]})
+    evaluations = greedy_evaluations(settings, tokenizer, device)
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=tasks.reward,
         args=_grpo_config(settings, method, seed, device),
         train_dataset=dataset,
         processing_class=tokenizer,
-        callbacks=[progress_callback(settings.steps)],
+        callbacks=[progress_callback(settings.steps), evaluations],
     )
     if method == "logra":
         from logra_optim.integrations.trl import attach_logra  # imports transformers
@@ -391,7 +408,7 @@ def run_worker(spec: dict) -> dict:
         )
     started = time.perf_counter()
     trainer.train()
-    seconds = time.perf_counter() - started
+    seconds = time.perf_counter() - started - evaluations.seconds
     after = evaluate(model, tokenizer, settings, device)
     history = trainer.state.log_history
     rewards = [entry["reward"] for entry in history if "reward" in entry]
@@ -405,6 +422,7 @@ def run_worker(spec: dict) -> dict:
         "before": before,
         "after": after,
         "train_rewards": rewards,
+        "evaluations": [[0, before["reward"]], *evaluations.points],
         "logra_stats": logra_stats,
         "seconds_per_update": seconds / settings.steps,
         "peak_bytes": peak_memory(device) - baseline,
@@ -412,6 +430,27 @@ def run_worker(spec: dict) -> dict:
         # What the optimizer updates (LoGRA's targets take no .grad, so requires_grad undercounts them).
         "trained_params": sum(p.numel() for group in trainer.optimizer.param_groups for p in group["params"]),
     }
+
+
+def greedy_evaluations(settings: DemoSettings, tokenizer, device: str):
+    """A trainer callback that evaluates the policy greedily every ``settings.eval_every`` updates
+    (``points``: ``[update, reward]``) and keeps the time it took (``seconds``) out of the
+    training time."""
+    from transformers import TrainerCallback
+
+    class GreedyEvaluations(TrainerCallback):
+        def __init__(self):
+            self.points: list[list[float]] = []
+            self.seconds = 0.0
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            every = settings.eval_every
+            if every and state.global_step % every == 0 and model is not None:
+                started = time.perf_counter()
+                self.points.append([state.global_step, evaluate(model, tokenizer, settings, device)["reward"]])
+                self.seconds += time.perf_counter() - started
+
+    return GreedyEvaluations()
 
 
 def progress_callback(steps: int):
@@ -432,7 +471,7 @@ def progress_callback(steps: int):
 
 
 def prepare_warm_starts(settings: DemoSettings, device: str, console) -> None:
-    """Build (or load) the policy and warm-start it once per seed; both methods start from it."""
+    """Build (or load) the policy and warm-start it once per seed; every method starts from it."""
     from rich.progress import Progress
     from transformers.utils import logging as transformers_logging
 
@@ -503,6 +542,7 @@ def summarize(records: list[dict]) -> list[dict]:
             {
                 "method": method,
                 "seeds": [r["seed"] for r in runs],
+                "reward_auc": stat([statistics.fmean(r["train_rewards"]) for r in runs]),
                 "reward_before": stat([r["before"]["reward"] for r in runs]),
                 "reward_after": stat([r["after"]["reward"] for r in runs]),
                 "accuracy_before": stat([r["before"]["accuracy"] for r in runs]),
@@ -521,13 +561,23 @@ def table_rows(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
         return fmt.format(mean) + (f" ± {fmt.format(spread)}" if spread else "")
 
     adamw = next((r for r in rows if r["method"] == "adamw"), None)
-    headers = ["method", "reward before", "reward after", "exact before", "exact after", "peak MiB", "s/update"]
+    headers = [
+        "method",
+        "sampled reward AUC",
+        "reward before",
+        "reward after",
+        "exact before",
+        "exact after",
+        "peak MiB",
+        "s/update",
+    ]
     if adamw:
         headers += ["memory / AdamW", "time / AdamW"]
     cells = []
     for r in rows:
         row = [
             LABELS[r["method"]],
+            pm(r["reward_auc"]),
             pm(r["reward_before"]),
             pm(r["reward_after"]),
             pm(r["accuracy_before"]),
@@ -545,42 +595,51 @@ def table_rows(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
 
 
 def plot(records: list[dict], rows: list[dict], output: Path) -> list[Path]:
-    """Reward curves (each seed faint, the seed mean bold) and a peak-memory bar chart."""
+    """Reward curves (each seed faint, the seed mean bold; greedy evaluations as dashed points) and a
+    peak-memory bar chart."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"logra": "tab:blue", "adamw": "tab:orange"}
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
     for method in METHODS:
-        curves = [r["train_rewards"] for r in records if r["method"] == method]
-        if not curves:
+        runs = [r for r in records if r["method"] == method]
+        if not runs:
             continue
+        curves = [r["train_rewards"] for r in runs]
         for curve in curves:
-            ax.plot(range(1, len(curve) + 1), curve, color=colors[method], alpha=0.25, linewidth=0.8)
+            ax.plot(range(1, len(curve) + 1), curve, color=COLORS[method], alpha=0.15, linewidth=0.6)
         length = min(map(len, curves))
         mean = [statistics.fmean(c[i] for c in curves) for i in range(length)]
         window = max(1, length // 15)
         smooth = [statistics.fmean(mean[max(0, i - window + 1) : i + 1]) for i in range(length)]
-        ax.plot(range(1, length + 1), smooth, color=colors[method], linewidth=2, label=LABELS[method])
+        ax.plot(range(1, length + 1), smooth, color=COLORS[method], linewidth=2, label=f"{LABELS[method]} (sampled)")
+        points = [r.get("evaluations", []) for r in runs]
+        common = min(map(len, points))
+        if common:
+            steps = [p[0] for p in points[0][:common]]
+            greedy = [statistics.fmean(p[i][1] for p in points) for i in range(common)]
+            ax.plot(steps, greedy, "o--", color=COLORS[method], markersize=4, linewidth=1)
+    ax.plot([], [], "o--", color="gray", markersize=4, linewidth=1, label="greedy evaluation (seed mean)")
     ax.set_xlabel("GRPO update")
-    ax.set_ylabel("training reward (sampled)")
+    ax.set_ylabel("reward")
     ax.set_title("Reward during RL (faint: each seed; bold: seed mean, moving average)")
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     reward_png = output / "reward.png"
     fig.savefig(reward_png, dpi=120)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(5, 3.2))
+    fig, ax = plt.subplots(figsize=(6, 3.2))
     ax.bar(
         [LABELS[r["method"]] for r in rows],
         [r["peak_bytes"] / MIB for r in rows],
-        color=[colors[r["method"]] for r in rows],
+        color=[COLORS[r["method"]] for r in rows],
     )
     ax.set_ylabel("peak training memory (MiB)")
     ax.set_title("Peak memory of the RL process")
+    ax.tick_params(axis="x", labelsize=7)
     fig.tight_layout()
     memory_png = output / "memory.png"
     fig.savefig(memory_png, dpi=120)
@@ -606,7 +665,7 @@ def run_demo(settings: DemoSettings) -> dict:
         # DeepSpeed, when installed, is imported by accelerate and warns that it found no GPU.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     started = time.perf_counter()
-    source = settings.model or "a tiny Qwen2 built from a config (no download)"
+    source = settings.model or f"the {settings.policy} Qwen2 built from a config (no download)"
     console.print(
         f"[bold]logra demo[/]: task {settings.task} ({settings.digits} digits), policy {source}, "
         f"device {device}, seeds {settings.seeds}"
