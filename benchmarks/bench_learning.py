@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--rank", type=positive_int, default=32, help="rank of LoGRA and LoRA")
     parser.add_argument(
+        "--policy", choices=sorted(demo.POLICIES), default="tiny", help="the demo's built-in policy to train"
+    )
+    parser.add_argument(
         "--final-window", type=positive_int, default=None, help="updates in the final window (default: steps/5)"
     )
     parser.add_argument("--warm-start-steps", type=int, default=1000, help="at most this many supervised steps")
@@ -343,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             "logra_knob": args.logra_knob,
             "update_ratio": args.update_ratio,
             "rank": args.rank,
+            "policy": args.policy,
             "final_window": window,
             "digits": args.digits,
             "device": device_name,
@@ -354,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     for task in args.tasks:
         base = demo.DemoSettings(
             output=str(output / task),
+            policy=args.policy,
             task=task,
             digits=args.digits,
             steps=steps,

@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kl-budget", type=positive_float, default=defaults.kl_budget, help="KL budget per update")
     parser.add_argument("--update-ratio", type=positive_float, default=defaults.update_ratio)
     parser.add_argument("--rank", type=positive_int, default=defaults.rank)
+    parser.add_argument(
+        "--policy", choices=sorted(demo.POLICIES), default="tiny", help="the demo's built-in policy to train"
+    )
     parser.add_argument("--window", type=positive_int, default=50, help="updates per reward window")
     parser.add_argument("--batch-size", type=positive_int, default=defaults.batch_size, help="completions per update")
     parser.add_argument("--warm-start-steps", type=int, default=1000, help="at most this many supervised steps")
@@ -180,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     output.mkdir(parents=True, exist_ok=True)
     settings = demo.DemoSettings(
         output=str(output),
+        policy=args.policy,
         steps=args.steps,
         rank=args.rank,
         kl_budget=args.kl_budget,
