@@ -9,7 +9,7 @@ each weight it stores:
 * FSDP2 (``fully_shard``: a ``DTensor`` with ``Shard(0)``, uneven shards included): its local rows;
 * DeepSpeed ZeRO-3: its flat partition ``ds_tensor`` of the row-major weight.
 
-Scalars that need every rank (partial sums of ``‖W‖²`` of sharded weights, a non-finite flag, the
+Scalars that need every rank (partial ``‖W_i‖²`` of each sharded weight, a non-finite flag, the
 projection fingerprint; then the probe's KL sums and token counts) travel in small batched
 collectives. Nothing here imports DeepSpeed: ZeRO-3 parameters are recognised by their ``ds_*``
 attributes. torch is the only dependency.
@@ -337,7 +337,7 @@ class DataParallel:
     """The data-parallel ranks that one optimizer keeps in step.
 
     Every collective an update needs goes through here: averaging the sketches, the scalars of a
-    step gathered at once (a non-finite flag, the sharded part of ``Σ‖W‖²``, the projection
+    step gathered at once (a non-finite flag, each sharded weight's ``‖W_i‖²``, the projection
     fingerprint), and the sums of the probe's KL terms.
     """
 

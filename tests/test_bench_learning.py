@@ -79,6 +79,23 @@ def test_sweeps_have_equal_sizes_by_default():
     assert bench.overrides("logra", "update_ratio", 0.1) == {"kl_budget": None, "update_ratio": 0.1}
 
 
+def test_each_sweep_value_reaches_its_own_method():
+    """A setting of the LoRA sweep sets LoRA's learning rate, not AdamW's (and the other way round),
+    and the worker's trainer gets the learning rate of the method it runs."""
+    from dataclasses import replace
+
+    from logra_optim.cli import demo
+
+    base = demo.DemoSettings(output="unused")
+    shares_the_rate = {"adamw": {"adamw", "adamw-targets"}, "adamw-targets": {"adamw", "adamw-targets"}}
+    for method in ("adamw", "adamw-targets", "lora"):
+        settings = replace(base, **bench.overrides(method, "lr", 7e-5))
+        for runner in ("adamw", "adamw-targets", "lora"):
+            rate = demo._grpo_config(settings, runner, 0, "cpu").learning_rate
+            assert (rate == 7e-5) == (runner in shares_the_rate.get(method, {"lora"})), (method, runner)
+    assert bench.overrides("logra", "kl_budget", 0.02) == {"kl_budget": 0.02}
+
+
 def test_failed_seeds_never_enter_a_mean_and_complete_settings_win():
     def run(seed, auc):
         metrics = dict.fromkeys(("final", "greedy_after", "greedy_before", "train_seconds"), 0.5)

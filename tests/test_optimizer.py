@@ -43,11 +43,13 @@ def targets(model):
     rank=st.integers(1, 7),
     steps=st.integers(1, 3),
     seed=st.integers(0, 2**31 - 1),
+    scope=st.sampled_from(["target", "model"]),
 )
 @settings(max_examples=60)
-def test_merge_matches_dense_reference(direction, mode, wire, refresh, kind, rank, steps, seed):
+def test_merge_matches_dense_reference(direction, mode, wire, refresh, kind, rank, steps, seed, scope):
     size = {"lr": 0.05, "update_ratio": 1e-2}[mode]
     model, opt = two_linear(
+        ratio_scope=scope,
         model_seed=seed % 100,
         rank=rank,
         direction=direction,
@@ -75,7 +77,8 @@ def test_merge_matches_dense_reference(direction, mode, wire, refresh, kind, ran
         if mode == "lr":
             etas = [size] * len(before)
         else:
-            etas = reference.step_sizes(size, [w for w, _, _ in before], directions, [a for _, _, a in before])
+            weights, projections = [w for w, _, _ in before], [a for _, _, a in before]
+            etas = reference.step_sizes(size, weights, directions, projections, scope)
         for (name, module), (w, _, a), u, eta in zip(targets(model), before, directions, etas):
             factor = eta * u
             relative_factor_error = 1e-5

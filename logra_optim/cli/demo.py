@@ -92,7 +92,7 @@ class DemoSettings:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = DemoSettings(output="")
     parser.add_argument(
-        "--model", type=model_dir, help="a local Hugging Face causal LM; without it, a tiny Qwen2 built here"
+        "--model", type=model_dir, help="a local Hugging Face causal LM; without it, the --policy Qwen2 built here"
     )
     parser.add_argument(
         "--policy",
