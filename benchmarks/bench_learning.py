@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shlex
 import statistics
 import sys
@@ -49,7 +48,6 @@ from logra_optim.cli.arguments import (
     positive_int,
     writable_dir,
 )
-from logra_optim.cli.measure import resolve_device
 from logra_optim.cli.runner import WorkerFailed
 
 METHODS = ("adamw", "adamw-targets", "lora", "logra")
@@ -322,15 +320,12 @@ def main(argv: list[str] | None = None) -> int:
     seeds = args.seeds if args.seeds is not None else ([0, 1] if args.quick else [0, 1, 2, 3, 4])
     steps = min(args.steps, 60) if args.quick else args.steps
     window = min(args.final_window or max(1, steps // 5), steps)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     from rich.console import Console
     from rich.table import Table
 
     console = Console(stderr=True)
-    device_name = resolve_device(args.device)
-    if device_name == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as logra demo: DeepSpeed would warn about no GPU
+    device_name = demo.training_device(args.device)
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()

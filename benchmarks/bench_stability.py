@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shlex
 import sys
 import time
@@ -32,7 +31,6 @@ from pathlib import Path
 
 from logra_optim.cli import demo
 from logra_optim.cli.arguments import device, int_list, positive_float, positive_int, writable_dir
-from logra_optim.cli.measure import resolve_device
 from logra_optim.cli.runner import WorkerFailed
 
 TOLERANCE = 0.1  # the KL controller's default realised_kl_tolerance
@@ -173,13 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.warm_start_steps < 0:
         parser.error(f"--warm-start-steps must be ≥ 0, got {args.warm_start_steps}")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from rich.console import Console
 
     console = Console(stderr=True)
-    device_name = resolve_device(args.device)
-    if device_name == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    device_name = demo.training_device(args.device)
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     settings = demo.DemoSettings(

@@ -3,40 +3,17 @@ all four methods, and a run that really fails inside its worker."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_learning.py"
+from tests.helpers.scripts import load_script, run_script
+
 # The smallest run: 3 updates of 32 completions, one seed, one task, a short warm start.
 SMALL = ["--quick", "--steps", "3", "--seeds", "0", "--tasks", "addition", "--warm-start-steps", "20"]
 
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_learning", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = load_script()
-
-
-def run_script(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        check=False,
-    )
+bench = load_script("bench_learning")
 
 
 @pytest.mark.parametrize(
@@ -121,7 +98,7 @@ def test_failed_seeds_never_enter_a_mean_and_complete_settings_win():
 def test_all_four_methods_end_to_end(tmp_path):
     """One setting per method, one seed: every method completes, has one best setting, finite metrics."""
     one_each = ["--adamw-lrs", "3e-4", "--adamw-targets-lrs", "3e-4", "--lora-lrs", "1e-3", "--logra-budgets", "1e-2"]
-    result = run_script(*SMALL, *one_each, "--output", str(tmp_path))
+    result = run_script("bench_learning", *SMALL, *one_each, "--output", str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
     for label in ("dense AdamW", "AdamW on LoGRA's targets", "LoRA", "LoGRA"):
         assert label in result.stdout
@@ -147,7 +124,9 @@ def test_all_four_methods_end_to_end(tmp_path):
 def test_a_run_that_fails_is_reported_and_kept_out_of_the_mean(tmp_path):
     """A real failure: at lr 1e30 AdamW's first update overflows the weights, and sampling the next
     group raises inside the worker. The sweep's other value completes and is the best setting."""
-    result = run_script(*SMALL, "--methods", "adamw", "--adamw-lrs", "3e-4,1e30", "--output", str(tmp_path))
+    result = run_script(
+        "bench_learning", *SMALL, "--methods", "adamw", "--adamw-lrs", "3e-4,1e30", "--output", str(tmp_path)
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "learning.json").read_text())
     (failure,) = report["failures"]

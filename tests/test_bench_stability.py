@@ -3,26 +3,13 @@ budget, skips, missing measurements), and a real short run end to end."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_stability.py"
+from tests.helpers.scripts import load_script, run_script
 
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_stability", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = load_script()
+bench = load_script("bench_stability")
 
 
 def record(rewards, realised, nonfinite=0, probe=0):
@@ -68,26 +55,10 @@ def test_every_failure_mode_makes_a_run_unstable(run, key, value):
 def test_short_run_end_to_end(tmp_path):
     """A real GRPO run with LoGRA and the realised-KL check: every update has a measured KL, and the
     table, JSON and plot are written."""
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--steps",
-            "6",
-            "--window",
-            "3",
-            "--batch-size",
-            "32",
-            "--warm-start-steps",
-            "20",
-            "--output",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        check=False,
+    result = run_script(
+        "bench_stability",
+        *("--steps", "6", "--window", "3", "--batch-size", "32", "--warm-start-steps", "20"),
+        *("--output", str(tmp_path)),
     )
     assert result.returncode in (0, 1), result.stderr[-3000:]
     report = json.loads((tmp_path / "stability.json").read_text())

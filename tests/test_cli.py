@@ -156,7 +156,7 @@ def test_a_saved_tiny_policy_reloads_with_the_tokenizer_it_was_trained_with(task
     from logra_optim.cli import demo
 
     tokenizer = demo.build_tokenizer()
-    demo.build_tiny_policy(tokenizer, seed=0).save_pretrained(tmp_path)
+    demo.build_policy(tokenizer, seed=0).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     _, reloaded = demo.load_policy(demo.DemoSettings(output=str(tmp_path)), str(tmp_path))
     for problem in tasks.make_problems(task, 20, digits=2, style="spaced", seed=1):
@@ -169,11 +169,11 @@ def test_small_policy_is_mostly_targets():
     from logra_optim import find_target_modules
     from logra_optim.cli import demo
 
-    model = demo.build_tiny_policy(demo.build_tokenizer(), seed=0, size="small")
+    model = demo.build_policy(demo.build_tokenizer(), seed=0, size="small")
     targets = sum(module.weight.numel() for _, module in find_target_modules(model))
     assert targets >= 10_000_000 and targets >= 0.95 * sum(p.numel() for p in model.parameters())
     with pytest.raises(ValueError, match="policy must be one of"):
-        demo.build_tiny_policy(demo.build_tokenizer(), seed=0, size="huge")
+        demo.build_policy(demo.build_tokenizer(), seed=0, size="huge")
 
 
 def test_addition_answers_are_the_sums():
@@ -249,7 +249,8 @@ def test_quick_demo_learns_and_reports(tmp_path):
         assert 0.0 <= run["before"]["reward"] <= 1.0 and 0.0 <= run["after"]["reward"] <= 1.0
         assert [step for step, _ in run["evaluations"]] == [0, 30, 60]
         assert run["evaluations"][0][1] == run["before"]["reward"]
-        assert run["evaluations"][-1][1] == run["after"]["reward"]  # the same policy, evaluated the same way
+        assert run["evaluations"][-1][1] == run["after"]["reward"]
+        assert 0.0 <= run["evaluations"][1][1] <= 1.0  # the evaluation during RL, at update 30
         # Every method starts from the same warm start.
         assert run["before"] == runs["logra"]["before"]
     # LoRA trains adapters of rank r on the targets; AdamW on the targets exactly LoGRA's weights.
@@ -455,11 +456,11 @@ def test_plan_bad_config_names_what_is_missing(tmp_path, capsys):
 def test_demo_with_a_local_model_path(tmp_path):
     """``--model PATH``: any saved causal LM and its tokenizer (here the demo's tiny policy, saved
     untrained), no warm start by default; LoGRA alone for a few updates."""
-    from logra_optim.cli.demo import build_tiny_policy, build_tokenizer
+    from logra_optim.cli.demo import build_policy, build_tokenizer
 
     model_dir = tmp_path / "policy"
     tokenizer = build_tokenizer()
-    build_tiny_policy(tokenizer, seed=0).save_pretrained(model_dir)
+    build_policy(tokenizer, seed=0).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     result = run_cli(
         "demo",

@@ -42,7 +42,6 @@ from .runner import run_fresh
 # LoGRA and the three ways to train the same model it is measured against: dense AdamW on every
 # parameter, AdamW on exactly LoGRA's target matrices, and LoRA on the same target modules.
 METHODS = ("logra", "adamw", "adamw-targets", "lora")
-WORKER_METHODS = METHODS
 COLORS = {"logra": "tab:blue", "adamw": "tab:orange", "adamw-targets": "tab:green", "lora": "tab:red"}
 LABELS = {"logra": "LoGRA", "adamw": "dense AdamW", "adamw-targets": "AdamW on LoGRA's targets", "lora": "LoRA"}
 SPECIAL_TOKENS = {"pad": "<pad>", "eos": "<eos>", "unk": "<unk>", "bos": "<bos>"}
@@ -200,7 +199,7 @@ POLICIES = {
 }
 
 
-def build_tiny_policy(tokenizer, seed: int, size: str = "tiny"):
+def build_policy(tokenizer, seed: int, size: str = "tiny"):
     """A Qwen2 of ``POLICIES[size]`` with 2 KV heads and tied embeddings, built from a config."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -350,8 +349,8 @@ def prepare_model(model, method: str, rank: int):
     same target modules in peft LoRA adapters (``r = rank``, ``lora_alpha = 2r``, no dropout, base
     frozen). ``adamw`` and ``logra`` (which ``attach_logra`` patches) take the model as it is. The
     trainer's AdamW then updates exactly the parameters left trainable."""
-    if method not in WORKER_METHODS:
-        raise ValueError(f"unknown method {method!r}; choose from {', '.join(WORKER_METHODS)}")
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
     if method not in ("adamw-targets", "lora"):
         return model
     from logra_optim import find_target_modules
@@ -369,9 +368,9 @@ def prepare_model(model, method: str, rank: int):
 
 
 def run_worker(spec: dict) -> dict:
-    """Train from the warm-start checkpoint with ``spec["method"]`` (one of ``WORKER_METHODS``) in
-    this fresh process; return the record. The AdamW-based methods train at ``settings.adamw_lr``;
-    LoGRA at ``settings.kl_budget`` (``None``: no KL control, a fixed relative step) and
+    """Train from the warm-start checkpoint with ``spec["method"]`` (one of ``METHODS``) in
+    this fresh process; return the record. The AdamW methods train at ``settings.adamw_lr``, LoRA at
+    ``settings.lora_lr``, LoGRA at ``settings.kl_budget`` (``None``: no KL control, a fixed relative step) and
     ``settings.update_ratio``."""
     from datasets import Dataset
     from trl import GRPOTrainer
@@ -428,7 +427,7 @@ def run_worker(spec: dict) -> dict:
         "before": before,
         "after": after,
         "train_rewards": rewards,
-        "evaluations": [[0, before["reward"]], *evaluations.points],
+        "evaluations": [[0, before["reward"]], *evaluations.points, [settings.steps, after["reward"]]],
         "logra_stats": logra_stats,
         "seconds_per_update": seconds / settings.steps,
         "peak_bytes": peak_memory(device) - baseline,
@@ -440,8 +439,8 @@ def run_worker(spec: dict) -> dict:
 
 def greedy_evaluations(settings: DemoSettings, tokenizer, device: str):
     """A trainer callback that evaluates the policy greedily every ``settings.eval_every`` updates
-    (``points``: ``[update, reward]``) and keeps the time it took (``seconds``) out of the
-    training time."""
+    before the last (``points``: ``[update, reward]``; the run's own evaluation after RL is the
+    last point) and keeps the time it took (``seconds``) out of the training time."""
     from transformers import TrainerCallback
 
     class GreedyEvaluations(TrainerCallback):
@@ -451,7 +450,7 @@ def greedy_evaluations(settings: DemoSettings, tokenizer, device: str):
 
         def on_step_end(self, args, state, control, model=None, **kwargs):
             every = settings.eval_every
-            if every and state.global_step % every == 0 and model is not None:
+            if every and state.global_step % every == 0 and state.global_step < state.max_steps and model is not None:
                 started = time.perf_counter()
                 self.points.append([state.global_step, evaluate(model, tokenizer, settings, device)["reward"]])
                 self.seconds += time.perf_counter() - started
@@ -488,7 +487,7 @@ def prepare_warm_starts(settings: DemoSettings, device: str, console) -> None:
             model, tokenizer = load_policy(settings)
         else:
             tokenizer = build_tokenizer()
-            model = build_tiny_policy(tokenizer, seed, settings.policy)
+            model = build_policy(tokenizer, seed, settings.policy)
         if settings.warm_start_steps:
             with Progress(console=console, transient=True) as progress:
                 bar = progress.add_task(f"warm start (supervised), seed {seed}", total=settings.warm_start_steps)
@@ -658,6 +657,16 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
     return run_demo(settings_from(args, parser))
 
 
+def training_device(requested: str) -> str:
+    """The device runs train on (``"auto"`` resolved), with this process set up for them: offline Hub,
+    and on CPU DeepSpeed told so (accelerate imports it when installed, and it warns about no GPU)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    device = resolve_device(requested)
+    if device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    return device
+
+
 def run_demo(settings: DemoSettings) -> dict:
     """The whole demo for ``settings``; returns the summary that is also written to ``summary.json``."""
     from rich.console import Console
@@ -666,10 +675,7 @@ def run_demo(settings: DemoSettings) -> dict:
     console = Console(stderr=True)
     output = Path(settings.output)
     output.mkdir(parents=True, exist_ok=True)
-    device = resolve_device(settings.device)
-    if device == "cpu":
-        # DeepSpeed, when installed, is imported by accelerate and warns that it found no GPU.
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    device = training_device(settings.device)
     started = time.perf_counter()
     source = settings.model or f"the {settings.policy} Qwen2 built from a config (no download)"
     console.print(
