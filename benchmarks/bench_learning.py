@@ -55,6 +55,9 @@ LOGRA_KNOBS = ("kl_budget", "update_ratio")
 # The centre of each method's default sweep (values spaced by a factor of 3 around it).
 CENTRES = {"adamw": 3e-4, "adamw-targets": 3e-4, "lora": 1e-3, "kl_budget": 3e-2, "update_ratio": 5e-2}
 SWEEP_FACTOR = 3.0
+# Completions per update and LoGRA's probe sequences (the stored results' settings; the demo's
+# larger default policy takes fewer of each).
+BATCH_SIZE, PROBE_SAMPLES = 64, 32
 # The option holding each sweep's explicit values.
 SWEEP_OPTIONS = {
     "adamw": "--adamw-lrs",
@@ -364,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
             seeds=seeds,
             methods=list(args.methods),
             device=args.device,
+            batch_size=BATCH_SIZE,
+            probe_samples=PROBE_SAMPLES,
         )
         if args.quick:
             base.batch_size = 32

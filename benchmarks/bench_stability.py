@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy", choices=sorted(demo.POLICIES), default="tiny", help="the demo's built-in policy to train"
     )
     parser.add_argument("--window", type=positive_int, default=50, help="updates per reward window")
-    parser.add_argument("--batch-size", type=positive_int, default=defaults.batch_size, help="completions per update")
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="completions per update")
     parser.add_argument("--warm-start-steps", type=int, default=1000, help="at most this many supervised steps")
     parser.add_argument(
         "--collapse-tolerance",
@@ -186,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         update_ratio=args.update_ratio,
         seeds=args.seeds,
         batch_size=args.batch_size,
+        probe_samples=32,
         warm_start_steps=args.warm_start_steps,
         methods=["logra"],
         device=args.device,

@@ -51,7 +51,8 @@ def contexts_from_batch(
     samples: int | None = None,
     temperature: float = 1.0,
 ) -> ProbeContexts:
-    """Probe contexts from a training batch (the first ``samples`` sequences).
+    """Probe contexts from ``samples`` sequences of a training batch, spread evenly over it
+    (:func:`spread_rows`).
 
     A position is probed when the token it predicts is real (attention mask) and, if given, is
     trained on (``labels != -100``, HF convention: aligned with ``input_ids``) and generated
@@ -59,7 +60,7 @@ def contexts_from_batch(
     """
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (batch, sequence), got shape {tuple(input_ids.shape)}")
-    rows = slice(None, samples)
+    rows = spread_rows(input_ids.shape[0], samples)
     input_ids = input_ids[rows]
     predicted_is_valid = torch.ones_like(input_ids, dtype=torch.bool)
     if attention_mask is not None:
@@ -77,8 +78,21 @@ def contexts_from_batch(
     return ProbeContexts(input_ids.detach().clone(), attention_mask, probe_mask, float(temperature))
 
 
+def spread_rows(batch: int, samples: int | None) -> torch.Tensor | slice:
+    """``samples`` row indices spread evenly over ``batch`` rows (all rows when ``samples`` is
+    ``None`` or at least ``batch``).
+
+    Not the first rows: an RL batch holds the G completions of each prompt in consecutive rows
+    (TRL's GRPO and RLOO), so the first few rows would all continue one prompt, and the probe
+    would predict the step's KL from a single context. Evenly spaced rows cover ``samples``
+    prompts (for ``samples ≤`` the number of prompts) at the same cost."""
+    if samples is None or samples >= batch:
+        return slice(None)
+    return torch.div(torch.arange(samples) * batch, samples, rounding_mode="floor")
+
+
 class ContextRecorder:
-    """Keeps the first ``samples`` sequences of the most recent training forward of a model.
+    """Keeps ``samples`` sequences (spread over the batch) of the most recent training forward of a model.
 
     A forward pre-hook sees the batch (``input_ids``, ``attention_mask``, ``labels``) of every
     forward in train mode with grad enabled, so the two-line usage needs no extra call.

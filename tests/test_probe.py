@@ -8,9 +8,11 @@ import copy
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from logra_optim import LoGRAOptimizer, patch_model
-from logra_optim.probe import contexts_from_batch, finite_difference_predicted_kl, jvp_predicted_kl
+from logra_optim.probe import contexts_from_batch, finite_difference_predicted_kl, jvp_predicted_kl, spread_rows
 from tests.helpers.tiny import fixed_batch, tiny_qwen2
 
 
@@ -28,6 +30,24 @@ def test_contexts_from_batch_selects_positions_predicting_trained_tokens():
     assert torch.equal(contexts.probe_mask, expected)
     assert contexts.tokens == 6 and contexts.temperature == 0.7
     assert contexts_from_batch(input_ids, attention_mask, labels, samples=1).input_ids.shape == (1, 5)
+
+
+@given(groups=st.integers(1, 16), group_size=st.integers(1, 8), samples=st.integers(1, 40))
+def test_spread_rows_take_one_row_per_group_before_a_second(groups, group_size, samples):
+    """An RL batch holds each prompt's completions in consecutive rows: the probe's rows are
+    distinct, in order, and cover min(samples, groups) different prompts."""
+    batch = groups * group_size
+    rows = torch.arange(batch)[spread_rows(batch, samples)]
+    assert rows.numel() == min(samples, batch)
+    assert torch.equal(rows, rows.unique(sorted=True))
+    assert (rows // group_size).unique().numel() == min(samples, groups)
+
+
+def test_contexts_from_batch_spreads_samples_over_the_batch():
+    input_ids = torch.arange(8).unsqueeze(1).repeat(1, 3)  # row i holds token i
+    contexts = contexts_from_batch(input_ids, samples=2)
+    assert contexts.input_ids[:, 0].tolist() == [0, 4]
+    assert contexts_from_batch(input_ids, samples=None).input_ids.shape[0] == 8
 
 
 def test_set_probe_contexts_validates_shapes_and_copies():

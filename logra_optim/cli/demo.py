@@ -2,8 +2,8 @@
 
 What it does, and why each piece is there:
 
-1. **Policy.** Without ``--model``, a Qwen2 built from a config (``--policy``: ``tiny`` or
-   ``small``) and a one-token-per-symbol tokenizer built in memory: nothing is downloaded. With
+1. **Policy.** Without ``--model``, a Qwen2 built from a config (``--policy``: ``tiny``,
+   ``small`` or ``medium``) and a one-token-per-symbol tokenizer built in memory: nothing is downloaded. With
    ``--model PATH``, any local Hugging Face causal LM and its tokenizer.
 2. **Warm start.** A randomly initialised policy never produces a correct digit, so every GRPO group
    would have zero advantage. A short supervised pass on correct answers (AdamW, answer tokens only)
@@ -62,7 +62,10 @@ class DemoSettings:
     # The relative step before KL control scales it; the default 6e-5 is for billion-parameter
     # models and would cap α (at alpha_max) long before this tiny one reaches the budget.
     update_ratio: float = 5e-2
-    probe_samples: int = 32  # completions are 2–3 tokens: probe more of them than the default 2
+    # Completions are 2–3 tokens: probe more sequences than the default 2 (one per prompt of the
+    # batch, spread over it), at a quarter of the batch so the probe stays cheaper than the backward
+    # work LoGRA saves.
+    probe_samples: int = 8
     # LoGRA's realised-KL check: measure each update's KL on the probe contexts after the merge and
     # redo it with a rescaled α when it misses the budget by more than 10%.
     realised_kl_check: bool = False
@@ -72,12 +75,12 @@ class DemoSettings:
     eval_every: int = 50  # greedy evaluation every this many updates (0: before and after RL only)
     warm_start_steps: int = 1000
     warm_start_reward: float = 0.45
-    batch_size: int = 64
+    batch_size: int = 32  # completions per update: 4 prompts × num_generations
     num_generations: int = 8
     seeds: list[int] = field(default_factory=lambda: [0])
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     model: str | None = None
-    policy: str = "small"  # the built-in policy without --model: a key of POLICIES
+    policy: str = "medium"  # the built-in policy without --model: a key of POLICIES
     device: str = "auto"
     threads: int | None = None
 
@@ -166,7 +169,6 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     )
     if args.quick:
         settings.steps = min(settings.steps, 60)
-        settings.batch_size = 32
     return settings
 
 
@@ -191,11 +193,13 @@ def build_tokenizer():
 
 
 # Built-in policies (Qwen2 shapes): ``tiny`` learns the task in seconds but is so small that the
-# interpreter, not the optimizer, decides its memory and time; ``small`` has 11 M target parameters
-# (99.9% of the model), where gradients and optimizer state decide them, as in a real LLM.
+# interpreter, not the optimizer, decides its memory and time. ``small`` (11 M target parameters)
+# and ``medium`` (22 M: two layers of the Qwen2 shape ``logra bench`` measures, hidden 1024) are
+# 99.9% targets, where weights, gradients and optimizer state decide them, as in a real LLM.
 POLICIES = {
     "tiny": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4, head_dim=32),
     "small": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8, head_dim=64),
+    "medium": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=2, num_attention_heads=16, head_dim=64),
 }
 
 
