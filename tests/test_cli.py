@@ -163,13 +163,15 @@ def test_a_saved_tiny_policy_reloads_with_the_tokenizer_it_was_trained_with(task
         assert reloaded(problem.prompt)["input_ids"] == tokenizer(problem.prompt)["input_ids"], problem.prompt
 
 
-def test_small_policy_is_mostly_targets():
-    """``--policy small``: ≥ 10 M target parameters and ≥ 95% of the model, like a real LLM, so that
-    gradients and optimizer state, not the interpreter, decide the demo's memory column."""
+@pytest.mark.parametrize("size", ["small", "medium"])
+def test_demo_policies_are_mostly_targets(size):
+    """``--policy small`` and ``medium`` (the default): ≥ 10 M target parameters and ≥ 95% of the
+    model, like a real LLM, so that gradients and optimizer state, not the interpreter, decide the
+    demo's memory column."""
     from logra_optim import find_target_modules
     from logra_optim.cli import demo
 
-    model = demo.build_policy(demo.build_tokenizer(), seed=0, size="small")
+    model = demo.build_policy(demo.build_tokenizer(), seed=0, size=size)
     targets = sum(module.weight.numel() for _, module in find_target_modules(model))
     assert targets >= 10_000_000 and targets >= 0.95 * sum(p.numel() for p in model.parameters())
     with pytest.raises(ValueError, match="policy must be one of"):

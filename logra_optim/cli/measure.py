@@ -1,6 +1,6 @@
 """How the CLI and the benchmarks measure: device choice, peak memory of the current process, units.
 
-Peak memory on CPU is the process's peak resident set size (``getrusage``) minus the level taken
+Peak memory on CPU is the process's peak resident set size (Linux: ``VmHWM``) minus the level taken
 right after the imports, so what remains is the run's own weights, optimizer state, gradients or
 sketches and activations. On CUDA it is ``torch.cuda.max_memory_allocated`` (tensor memory only, so
 the baseline is the memory allocated when the run starts). Either way one process measures one
@@ -33,9 +33,22 @@ def resolve_device(device: str) -> str:
 
 
 def peak_rss_bytes() -> int:
-    """The process's peak resident set size so far (Linux reports KiB, macOS bytes)."""
+    """This process's peak resident set size so far, in bytes.
+
+    On Linux, ``VmHWM`` of ``/proc/self/status``, not ``getrusage``'s ``ru_maxrss``: Linux carries
+    ``ru_maxrss`` over ``fork`` and ``exec``, so a worker started by a parent that had once used
+    more memory (the demo's warm start) would report the parent's peak until its own exceeded it,
+    and its measured peak above the post-import level would shrink by the difference. ``VmHWM``
+    belongs to the new process image alone."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB, macOS bytes
 
 
 def memory_baseline(device: str) -> int:
