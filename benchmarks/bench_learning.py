@@ -55,9 +55,6 @@ LOGRA_KNOBS = ("kl_budget", "update_ratio")
 # The centre of each method's default sweep (values spaced by a factor of 3 around it).
 CENTRES = {"adamw": 3e-4, "adamw-targets": 3e-4, "lora": 1e-3, "kl_budget": 3e-2, "update_ratio": 5e-2}
 SWEEP_FACTOR = 3.0
-# Completions per update and LoGRA's probe sequences (the stored results' settings; the demo's
-# larger default policy takes fewer of each).
-BATCH_SIZE, PROBE_SAMPLES = 64, 32
 # The option holding each sweep's explicit values.
 SWEEP_OPTIONS = {
     "adamw": "--adamw-lrs",
@@ -109,7 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--final-window", type=positive_int, default=None, help="updates in the final window (default: steps/5)"
     )
+    # The stored results' settings; the demo's larger default policy takes fewer of each.
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="completions per update")
+    parser.add_argument("--probe-samples", type=positive_int, default=32, help="LoGRA's probe sequences")
     parser.add_argument("--warm-start-steps", type=int, default=1000, help="at most this many supervised steps")
+    parser.add_argument(
+        "--warm-start-lr", type=positive_float, default=None, help="warm-start learning rate (default: the policy's)"
+    )
     parser.add_argument("--warm-start-reward", type=float, default=0.45, help="greedy reward that ends the warm start")
     parser.add_argument("--device", type=device, default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--output", type=writable_dir, default="logra-learning", help="directory for the results")
@@ -345,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
             "update_ratio": args.update_ratio,
             "rank": args.rank,
             "policy": args.policy,
+            "batch_size": 32 if args.quick else args.batch_size,
+            "probe_samples": args.probe_samples,
             "final_window": window,
             "digits": args.digits,
             "device": device_name,
@@ -367,8 +372,9 @@ def main(argv: list[str] | None = None) -> int:
             seeds=seeds,
             methods=list(args.methods),
             device=args.device,
-            batch_size=BATCH_SIZE,
-            probe_samples=PROBE_SAMPLES,
+            batch_size=args.batch_size,
+            probe_samples=args.probe_samples,
+            warm_start_lr=args.warm_start_lr,
         )
         if args.quick:
             base.batch_size = 32

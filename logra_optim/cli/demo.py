@@ -75,6 +75,7 @@ class DemoSettings:
     eval_every: int = 50  # greedy evaluation every this many updates (0: before and after RL only)
     warm_start_steps: int = 1000
     warm_start_reward: float = 0.45
+    warm_start_lr: float | None = None  # None: the policy's own (WARM_START_LRS)
     batch_size: int = 32  # completions per update: 4 prompts × num_generations
     num_generations: int = 8
     seeds: list[int] = field(default_factory=lambda: [0])
@@ -126,6 +127,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=defaults.warm_start_reward,
         help="stop the warm start once greedy validation reward reaches this",
     )
+    parser.add_argument(
+        "--warm-start-lr", type=positive_float, default=None, help="AdamW's learning rate in the warm start"
+    )
     parser.add_argument("--seeds", type=int_list, default=[0], help="comma-separated; several give mean ± std")
     parser.add_argument(
         "--methods",
@@ -166,6 +170,7 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         policy=args.policy or ("tiny" if args.quick else DemoSettings.policy),
         device=args.device,
         warm_start_reward=args.warm_start_reward,
+        warm_start_lr=args.warm_start_lr,
     )
     if args.quick:
         settings.steps = min(settings.steps, 60)
@@ -201,6 +206,9 @@ POLICIES = {
     "small": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8, head_dim=64),
     "medium": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=2, num_attention_heads=16, head_dim=64),
 }
+# The warm start's learning rate per policy: at 2e-3 the medium one takes 440 supervised steps to
+# reach the target reward instead of 120 at 1e-3. (A ``--model`` warm start uses 1e-3.)
+WARM_START_LRS = {"tiny": 2e-3, "small": 2e-3, "medium": 1e-3}
 
 
 def build_policy(tokenizer, seed: int, size: str = "tiny"):
@@ -267,7 +275,8 @@ def warm_start(model, tokenizer, settings: DemoSettings, seed: int, device, prog
     GRPO's groups rarely hold a better answer to learn from.
     """
     model.to(device).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
+    lr = settings.warm_start_lr or WARM_START_LRS.get(settings.policy if not settings.model else "", 1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     problems = tasks.make_problems(
         settings.task, settings.warm_start_steps * 32, digits=settings.digits, style=settings.style, seed=10_000 + seed
     )
