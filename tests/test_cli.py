@@ -327,6 +327,72 @@ def test_bench_on_the_tiny_preset(tmp_path):
 # plan's memory model against real models
 
 
+def test_bench_peers_floor_and_accumulation(tmp_path):
+    """APOLLO, APOLLO-Mini (rank 1 whatever --rank says), Flora and the frozen floor, with two
+    microbatches per step."""
+    result = run_cli(
+        "bench",
+        "--preset",
+        "tiny",
+        "--rank",
+        "8",
+        "--methods",
+        "adamw,apollo,apollo-mini,flora,frozen,logra-rowadam",
+        "--accumulation",
+        "2",
+        "--rounds",
+        "1",
+        "--runs",
+        "1",
+        "--seq",
+        "32",
+        "--threads",
+        "1",
+        "--output",
+        str(tmp_path),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads((tmp_path / "bench.json").read_text())
+    labels = [r["label"] for r in data["results"]]
+    assert labels == ["adamw", "apollo r=8", "apollo-mini r=1", "flora r=8", "frozen", "logra-rowadam r=8"]
+    by_label = {r["label"]: r for r in data["results"]}
+    everything = sum(p.numel() for p in build_tiny_model(bench_preset("tiny")).parameters())
+    for label in ("adamw", "apollo r=8", "apollo-mini r=1", "flora r=8"):
+        assert by_label[label]["trained_params"] == everything, label
+    assert by_label["frozen"]["trained_params"] == 0
+    assert data["meta"]["accumulation"] == 2 and "× 2 microbatches" in data["meta"]["title"]
+
+
+@pytest.mark.parametrize("method", ["apollo", "apollo-mini", "flora"])
+def test_bench_peers_update_every_parameter(method):
+    """A peer's step changes the weights it trains (targets and the rest alike)."""
+    from logra_optim.cli.bench import make_optimizer
+
+    model = build_tiny_model(bench_preset("tiny"))
+    model, optimizer = make_optimizer(model, method, rank=4)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        model(input_ids=input_ids, labels=input_ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight", "model.norm.weight"):
+        assert not torch.equal(before[name], dict(model.named_parameters())[name]), name
+
+
+def test_bench_frozen_floor_runs_backward_through_every_layer_without_weight_gradients():
+    from logra_optim.cli.bench import make_optimizer
+
+    model, optimizer = make_optimizer(build_tiny_model(bench_preset("tiny")), "frozen", rank=4)
+    assert optimizer is None
+    reached = []
+    model.model.layers[0].register_full_backward_hook(lambda module, grad_in, grad_out: reached.append(module))
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(input_ids=input_ids, labels=input_ids).loss.backward()
+    assert reached, "backward reached the first decoder layer"
+    assert all(p.grad is None for p in model.parameters())
+
+
 def bench_preset(name: str) -> dict:
     return dict(PRESETS[name])
 

@@ -9,6 +9,15 @@ Methods (all on the same model, batch and loss; ``--rank`` is shared by the low-
                        modules, AdamW on the adapters, base weights frozen.
     ``galore``         ``galore_torch.GaLoreAdamW``: rank-``r`` GaLore on the target weights (projection
                        refreshed every 200 steps, scale 0.25, as its README), plain AdamW on the rest.
+    ``apollo``         ``apollo_torch.APOLLOAdamW``: rank-``r`` APOLLO on the target weights (random
+                       projection, channel-wise scaling, scale 1, refreshed every 200 steps, as its
+                       README), plain AdamW on the rest.
+    ``apollo-mini``    the same with APOLLO-Mini's settings: rank 1, tensor-wise scaling, scale 128.
+    ``flora``          ``flora_opt``'s ``Flora`` (rank-``r`` compressed momentum, factorised second
+                       moment) on every parameter.
+    ``frozen``         the floor, not a method: the same forward and backward with every weight
+                       frozen (input embeddings' output requires grad, so backward runs through
+                       every layer), no weight gradient, no optimizer.
     ``logra-sgd``      ``LoGRAOptimizer(patch_model(model), rank=r, direction="sgd")``.
     ``logra-rowadam``  the same with RowAdam, at ``--rank`` and each rank of ``--ranks``.
     Dense optimizers use the paper's control settings (lr 1e-6, betas 0.9/0.95).
@@ -16,7 +25,8 @@ Methods (all on the same model, batch and loss; ``--rank`` is shared by the low-
 How it is measured: each configuration runs in a fresh process (``runner.run_fresh``), so peaks
 cannot leak between configurations; configurations run round-robin ``--rounds`` times, so a change
 of the machine's load spreads over all of them. A step is forward, ``loss.backward()``, ``step()``,
-``zero_grad()`` (``--checkpointing``: non-reentrant gradient checkpointing, as TRL's trainers
+``zero_grad()``; with ``--accumulation N`` the step takes N forward+backward microbatches of
+``--batch``×``--seq`` before ``step()`` (``--checkpointing``: non-reentrant gradient checkpointing, as TRL's trainers
 default to); ``--warmup`` steps first (optimizers allocate state on their first step), then
 ``--runs`` timed steps. Reported: the median over all timed steps, and the peak memory (RSS above
 the post-import level on CPU, ``max_memory_allocated`` on CUDA), highest over rounds. ``bench.json``
@@ -46,14 +56,40 @@ from .measure import GIB, memory_baseline, peak_memory, ratio, resolve_device, s
 from .runner import run_fresh
 from .shapes import DEFAULT_LAYERS, PRESETS, Shape
 
-METHODS = ("adamw", "adamw-targets", "adamw8bit", "lora", "galore", "logra-sgd", "logra-rowadam")
+METHODS = (
+    "adamw",
+    "adamw-targets",
+    "adamw8bit",
+    "lora",
+    "galore",
+    "apollo",
+    "apollo-mini",
+    "flora",
+    "frozen",
+    "logra-sgd",
+    "logra-rowadam",
+)
 DEFAULT_METHODS = tuple(m for m in METHODS if m != "adamw-targets")
-# Methods without a rank, and the references whose ratios the table shows (when they ran).
-DENSE = ("adamw", "adamw-targets", "adamw8bit")
+# Methods without a rank (``frozen`` is the floor), and the references whose ratios the table shows.
+DENSE = ("adamw", "adamw-targets", "adamw8bit", "frozen")
+# APOLLO-Mini is rank 1 by definition, whatever --rank says.
+FIXED_RANKS = {"apollo-mini": 1}
 REFERENCES = {"adamw": "AdamW", "adamw-targets": "AdamW targets"}
 # The dense optimizers' settings (also the distributed benchmark's).
 DENSE_ADAMW = dict(lr=1e-6, betas=(0.9, 0.95))
-OPTIONAL_MODULES = {"lora": "peft", "galore": "galore_torch", "adamw8bit": "bitsandbytes"}
+OPTIONAL_MODULES = {
+    "lora": "peft",
+    "galore": "galore_torch",
+    "adamw8bit": "bitsandbytes",
+    "apollo": "apollo_torch",
+    "apollo-mini": "apollo_torch",
+    "flora": "flora_opt",
+}
+# APOLLO's README settings: APOLLO (rank r, channel-wise) and APOLLO-Mini (rank 1, tensor-wise).
+APOLLO_SETTINGS = {
+    "apollo": {"proj": "random", "scale_type": "channel", "scale": 1, "update_proj_gap": 200, "proj_type": "std"},
+    "apollo-mini": {"proj": "random", "scale_type": "tensor", "scale": 128, "update_proj_gap": 200, "proj_type": "std"},
+}
 
 
 @dataclass(frozen=True)
@@ -87,6 +123,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run LoGRA with predicted-KL control (its JVP probe each step); unset: no KL control",
     )
     parser.add_argument("--checkpointing", action="store_true", help="non-reentrant gradient checkpointing")
+    parser.add_argument(
+        "--accumulation", type=positive_int, default=1, help="microbatches (forward+backward) per optimizer step"
+    )
     parser.add_argument("--batch", type=positive_int, default=2)
     parser.add_argument("--seq", type=positive_int, default=512)
     parser.add_argument("--warmup", type=positive_int, default=1)
@@ -136,7 +175,12 @@ def build_model(spec: dict, device: str):
 
 
 def make_optimizer(model, method: str, rank: int, kl_budget: float | None = None):
-    """The optimizer of ``method`` (and the model it trains: LoRA wraps it)."""
+    """The optimizer of ``method`` (and the model it trains: LoRA wraps it); ``None`` for the
+    ``frozen`` floor, whose step is forward and backward alone."""
+    if method == "frozen":
+        model.requires_grad_(False)
+        model.enable_input_require_grads()
+        return model, None
     if method.startswith("logra-"):
         optimizer = LoGRAOptimizer(
             patch_model(model), rank=rank, direction=method.removeprefix("logra-"), kl_budget=kl_budget
@@ -163,6 +207,18 @@ def make_optimizer(model, method: str, rank: int, kl_budget: float | None = None
         galore_settings = {"rank": rank, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}
         groups = [{"params": regular}, {"params": galore, **galore_settings}]
         return model, GaLoreAdamW(groups, **DENSE_ADAMW)
+    if method in APOLLO_SETTINGS:
+        from apollo_torch import APOLLOAdamW
+
+        low_rank = {id(module.weight) for _, module in targets}
+        apollo = [p for p in model.parameters() if id(p) in low_rank]
+        regular = [p for p in model.parameters() if id(p) not in low_rank]
+        groups = [{"params": regular}, {"params": apollo, "rank": rank, **APOLLO_SETTINGS[method]}]
+        return model, APOLLOAdamW(groups, **DENSE_ADAMW)
+    if method == "flora":
+        from flora_opt.optimizers.torch import Flora
+
+        return model, Flora(model.parameters(), lr=DENSE_ADAMW["lr"], rank=rank)
     if method == "adamw8bit":
         import bitsandbytes
 
@@ -189,11 +245,13 @@ def run_worker(spec: dict) -> dict:
     for step in range(spec["warmup"] + spec["runs"]):
         synchronize(device)
         start = time.perf_counter()
-        model(input_ids=input_ids, labels=input_ids).loss.backward()
+        for _ in range(spec.get("accumulation", 1)):
+            model(input_ids=input_ids, labels=input_ids).loss.backward()
         synchronize(device)
         middle = time.perf_counter()
-        optimizer.step()
-        optimizer.zero_grad()
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad()
         synchronize(device)
         end = time.perf_counter()
         if step >= spec["warmup"]:
@@ -206,7 +264,9 @@ def run_worker(spec: dict) -> dict:
         "peak_bytes": peak - baseline,
         "peak_abs_bytes": peak,
         # LoGRA's targets take no .grad, so count what each optimizer updates, not requires_grad.
-        "trained_params": sum(p.numel() for group in optimizer.param_groups for p in group["params"]),
+        "trained_params": 0
+        if optimizer is None
+        else sum(p.numel() for group in optimizer.param_groups for p in group["params"]),
         "total_params": sum(p.numel() for p in model.parameters()),
         "layers": model.config.num_hidden_layers,
     }
@@ -312,7 +372,7 @@ def configurations(args: argparse.Namespace, console) -> tuple[list[Configuratio
             skipped[method] = reason
             continue
         ranks = sorted({args.rank, *args.ranks}) if method == "logra-rowadam" else [args.rank]
-        configs += [Configuration(method, 0 if method in DENSE else rank) for rank in ranks]
+        configs += [Configuration(method, 0 if method in DENSE else FIXED_RANKS.get(method, rank)) for rank in ranks]
     for method, reason in skipped.items():
         console.print(f"[yellow]skipping {method}: {reason}[/]")
     if not configs:
@@ -342,6 +402,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
         device=device,
         kl_budget=args.kl_budget,
         checkpointing=args.checkpointing,
+        accumulation=args.accumulation,
     )
     console = Console(stderr=True)
     configs, skipped = configurations(args, console)
@@ -363,7 +424,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
     base_params = next(r["total_params"] for r in results if not r["method"] == "lora")  # LoRA adds adapters
     title = (
         f"{source}, {samples[configs[0]][0]['layers']} layers, {base_params / 1e6:.0f} M params; "
-        f"batch {args.batch}×{args.seq}; {device}"
+        f"batch {args.batch}×{args.seq}"
+        + (f" × {args.accumulation} microbatches" if args.accumulation > 1 else "")
+        + f"; {device}"
         + ("; gradient checkpointing" if args.checkpointing else "")
         + f"; median of {args.rounds}×{args.runs} steps"
     )
