@@ -235,9 +235,10 @@ class PolicyRates:
 
 
 # The tiny policy's are the learning benchmark's (LoRA: 3e-4 and 1e-3 tied there; 1e-3 collapses on
-# the small policy). The medium policy wants steps 10× smaller (AdamW 3e-5, LoRA 1e-4: both below
-# 1e-4 and 3e-4, where they fall back); LoGRA's KL budget 3e-2 was best on both. Its warm start at
-# 2e-3 takes 440 supervised steps to the target reward, at 1e-3 120.
+# the small policy). The medium policy wants steps 10× smaller: AdamW 3e-5 (its reward falls back at
+# 1e-4 and above), LoRA 1e-4 (tied with 3e-4 on sampled reward, ahead on greedy); LoGRA's KL budget
+# 3e-2 was best on both. Its warm start at 2e-3 takes 440 supervised steps to the target reward,
+# at 1e-3 120.
 POLICY_RATES = {
     "tiny": PolicyRates(adamw=3e-4, lora=3e-4, warm_start=2e-3),
     "small": PolicyRates(adamw=3e-4, lora=3e-4, warm_start=2e-3),
