@@ -178,6 +178,21 @@ def test_demo_policies_are_mostly_targets(size):
         demo.build_policy(demo.build_tokenizer(), seed=0, size="huge")
 
 
+def test_demo_learning_rates_default_to_the_policys():
+    """Each built-in policy has its own swept learning rates; a given rate wins; ``--model`` takes
+    the untuned defaults; an unknown policy is refused by name."""
+    from logra_optim.cli import demo
+
+    medium = demo.DemoSettings(output="")
+    assert medium.policy == "medium"
+    assert (medium.adamw_lr, medium.lora_lr, medium.warm_start_lr) == (3e-5, 1e-4, 1e-3)
+    tiny = demo.DemoSettings(output="", policy="tiny", lora_lr=5e-4)
+    assert (tiny.adamw_lr, tiny.lora_lr, tiny.warm_start_lr) == (3e-4, 5e-4, 2e-3)
+    assert demo.DemoSettings(output="", model="/some/model").adamw_lr == demo.MODEL_RATES.adamw
+    with pytest.raises(ValueError, match="policy must be one of tiny, small, medium"):
+        demo.DemoSettings(output="", policy="huge")
+
+
 def test_addition_answers_are_the_sums():
     for problem in tasks.make_problems("addition", 100, digits=3, style="text", seed=0):
         left, right = problem.prompt.rstrip("=").split("+")
