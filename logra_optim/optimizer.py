@@ -104,7 +104,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         probe: ``"jvp"`` (exact forward-mode AD, one forward) or ``"finite_difference"``
             (``KL(θ ‖ θ+εD)/ε²``, two forwards, exact full-vocabulary KL).
         probe_samples: sequences of the latest training forward used as probe contexts, spread
-            evenly over its batch (an RL batch's consecutive rows share a prompt).
+            evenly over its batch (a batch grouped by prompt is not probed on one prompt alone).
         temperature: sampling temperature ``T`` of the policy (for recorded contexts).
         probe_logits_fn: ``f(model, contexts) -> logits`` for models whose forward does not
             return logits directly (default: ``model(input_ids, attention_mask).logits``).

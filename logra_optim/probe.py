@@ -82,10 +82,11 @@ def spread_rows(batch: int, samples: int | None) -> torch.Tensor | slice:
     """``samples`` row indices spread evenly over ``batch`` rows (all rows when ``samples`` is
     ``None`` or at least ``batch``).
 
-    Not the first rows: an RL batch holds the G completions of each prompt in consecutive rows
-    (TRL's GRPO and RLOO), so the first few rows would all continue one prompt, and the probe
-    would predict the step's KL from a single context. Evenly spaced rows cover ``samples``
-    prompts (for ``samples ≤`` the number of prompts) at the same cost."""
+    Not the first rows: a batch grouped by prompt (the G completions of each prompt in
+    consecutive rows, as a hand-written GRPO loop builds it) would then be probed on one prompt
+    alone; evenly spaced rows cover ``samples`` prompts (for ``samples ≤`` the number of prompts)
+    at the same cost. (TRL's GRPO and RLOO trainers shuffle the generation batch before training
+    on it, so there the first rows were already a random sample.)"""
     if samples is None or samples >= batch:
         return slice(None)
     return torch.div(torch.arange(samples) * batch, samples, rounding_mode="floor")

@@ -218,7 +218,9 @@ def make_optimizer(model, method: str, rank: int, kl_budget: float | None = None
     if method == "flora":
         from flora_opt.optimizers.torch import Flora
 
-        return model, Flora(model.parameters(), lr=DENSE_ADAMW["lr"], rank=rank)
+        # beta1 turns on Flora's momentum, the state it compresses to rank r (without it, Flora is
+        # Adafactor and ignores the rank).
+        return model, Flora(model.parameters(), lr=DENSE_ADAMW["lr"], rank=rank, beta1=DENSE_ADAMW["betas"][0])
     if method == "adamw8bit":
         import bitsandbytes
 
