@@ -185,7 +185,7 @@ def test_demo_learning_rates_default_to_the_policys():
 
     medium = demo.DemoSettings(output="")
     assert medium.policy == "medium"
-    assert (medium.adamw_lr, medium.lora_lr, medium.warm_start_lr) == (3e-5, 1e-4, 1e-3)
+    assert (medium.adamw_lr, medium.lora_lr, medium.warm_start_lr) == (3e-5, 3e-4, 1e-3)
     tiny = demo.DemoSettings(output="", policy="tiny", lora_lr=5e-4)
     assert (tiny.adamw_lr, tiny.lora_lr, tiny.warm_start_lr) == (3e-4, 5e-4, 2e-3)
     assert demo.DemoSettings(output="", model="/some/model").adamw_lr == demo.MODEL_RATES.adamw
