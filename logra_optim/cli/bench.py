@@ -213,7 +213,10 @@ def make_optimizer(model, method: str, rank: int, kl_budget: float | None = None
         low_rank = {id(module.weight) for _, module in targets}
         apollo = [p for p in model.parameters() if id(p) in low_rank]
         regular = [p for p in model.parameters() if id(p) not in low_rank]
-        groups = [{"params": regular}, {"params": apollo, "rank": rank, **APOLLO_SETTINGS[method]}]
+        groups = [
+            {"params": regular},
+            {"params": apollo, "rank": FIXED_RANKS.get(method, rank), **APOLLO_SETTINGS[method]},
+        ]
         return model, APOLLOAdamW(groups, **DENSE_ADAMW)
     if method == "flora":
         from flora_opt.optimizers.torch import Flora

@@ -85,6 +85,8 @@ class DemoSettings:
     threads: int | None = None
 
     def __post_init__(self):
+        # Filled in once, at construction: ``dataclasses.replace(settings, policy=...)`` keeps the
+        # old policy's rates unless they are given again (as None).
         rates = MODEL_RATES if self.model else POLICY_RATES.get(self.policy)
         if rates is None:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
