@@ -281,29 +281,7 @@ def test_quick_demo_learns_and_reports(tmp_path):
 
 def test_bench_on_the_tiny_preset(tmp_path):
     methods = "adamw,lora,galore,logra-sgd,logra-rowadam"
-    result = run_cli(
-        "bench",
-        "--preset",
-        "tiny",
-        "--rank",
-        "8",
-        "--ranks",
-        "4",
-        "--methods",
-        methods,
-        "--rounds",
-        "1",
-        "--runs",
-        "1",
-        "--seq",
-        "64",
-        "--threads",
-        "1",
-        "--output",
-        str(tmp_path),
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    data = json.loads((tmp_path / "bench.json").read_text())
+    data = run_tiny_bench(tmp_path, methods, "--ranks", "4", "--seq", "64")
     labels = [r["label"] for r in data["results"]]
     assert labels == ["adamw", "lora r=8", "galore r=8", "logra-sgd r=8", "logra-rowadam r=4", "logra-rowadam r=8"]
     by_label = {r["label"]: r for r in data["results"]}
@@ -338,36 +316,10 @@ def test_bench_on_the_tiny_preset(tmp_path):
     assert "measured peak" in plan.stdout and "predicted / measured" in plan.stdout
 
 
-# --------------------------------------------------------------------------------------------------
-# plan's memory model against real models
-
-
 def test_bench_peers_floor_and_accumulation(tmp_path):
     """APOLLO, APOLLO-Mini (rank 1 whatever --rank says), Flora and the frozen floor, with two
     microbatches per step."""
-    result = run_cli(
-        "bench",
-        "--preset",
-        "tiny",
-        "--rank",
-        "8",
-        "--methods",
-        "adamw,apollo,apollo-mini,flora,frozen,logra-rowadam",
-        "--accumulation",
-        "2",
-        "--rounds",
-        "1",
-        "--runs",
-        "1",
-        "--seq",
-        "32",
-        "--threads",
-        "1",
-        "--output",
-        str(tmp_path),
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    data = json.loads((tmp_path / "bench.json").read_text())
+    data = run_tiny_bench(tmp_path, "adamw,apollo,apollo-mini,flora,frozen,logra-rowadam", "--accumulation", "2")
     labels = [r["label"] for r in data["results"]]
     assert labels == ["adamw", "apollo r=8", "apollo-mini r=1", "flora r=8", "frozen", "logra-rowadam r=8"]
     by_label = {r["label"]: r for r in data["results"]}
@@ -406,6 +358,37 @@ def test_bench_frozen_floor_runs_backward_through_every_layer_without_weight_gra
     model(input_ids=input_ids, labels=input_ids).loss.backward()
     assert reached, "backward reached the first decoder layer"
     assert all(p.grad is None for p in model.parameters())
+
+
+def run_tiny_bench(tmp_path, methods: str, *extra: str) -> dict:
+    """``logra bench`` on the tiny preset at rank 8, one round of one timed step on one thread (the
+    sequence length defaults to 32); returns ``bench.json``."""
+    result = run_cli(
+        "bench",
+        "--preset",
+        "tiny",
+        "--rank",
+        "8",
+        "--methods",
+        methods,
+        "--rounds",
+        "1",
+        "--runs",
+        "1",
+        "--threads",
+        "1",
+        "--seq",
+        "32",
+        *extra,
+        "--output",
+        str(tmp_path),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads((tmp_path / "bench.json").read_text())
+
+
+# --------------------------------------------------------------------------------------------------
+# plan's memory model against real models
 
 
 def bench_preset(name: str) -> dict:
