@@ -149,17 +149,27 @@ def perturbed_linear(module: nn.Linear, x: torch.Tensor, target) -> torch.Tensor
         y = F.linear(x, module.weight, module.bias)
         return y + low_rank_delta(x, target.projection, target.probe_factor).to(y.dtype)
     primal_x, tangent_x = fwAD.unpack_dual(x)
-    y = F.linear(primal_x, module.weight, module.bias)
-    tangent = low_rank_delta(primal_x, target.projection, target.probe_factor).to(y.dtype)
-    if tangent_x is not None:
-        tangent += F.linear(tangent_x, module.weight)
-    return fwAD.make_dual(y, tangent)
+    y, tangent = _primal_and_tangent(primal_x, tangent_x, module.weight, module.bias)
+    delta = low_rank_delta(primal_x, target.projection, target.probe_factor).to(y.dtype)
+    return fwAD.make_dual(y, delta if tangent is None else tangent + delta)
+
+
+def _primal_and_tangent(
+    x: torch.Tensor, tangent_x: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(x Wᵀ + b, ẋ Wᵀ)`` from one matrix product over ``[x; ẋ]``: with few probe tokens a
+    product is bound by reading ``W``, which this reads once instead of twice."""
+    if tangent_x is None:
+        return F.linear(x, weight, bias), None
+    both = F.linear(torch.stack((x, tangent_x.to(x.dtype))), weight)
+    y = both[0] if bias is None else both[0] + bias
+    return y, both[1]
 
 
 def _linear_with_tangent(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     primal_x, tangent_x = fwAD.unpack_dual(x)
-    y = F.linear(primal_x, module.weight, module.bias)
-    return y if tangent_x is None else fwAD.make_dual(y, F.linear(tangent_x, module.weight))
+    y, tangent = _primal_and_tangent(primal_x, tangent_x, module.weight, module.bias)
+    return y if tangent is None else fwAD.make_dual(y, tangent)
 
 
 @contextlib.contextmanager
