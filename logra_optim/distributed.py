@@ -417,7 +417,7 @@ def check_fingerprints(
         other = everyone[rank]
         if other[0] != reference[0]:
             detail = (
-                f"settings (seed, projection index, rank, kind, refresh, targets) {reference[0]} on rank 0 vs "
+                f"settings (seed, projection index, rank, kind, refresh, shared, targets) {reference[0]} on rank 0 vs "
                 f"{other[0]} on rank {rank}"
             )
             break

@@ -35,8 +35,8 @@ from .options import (
 )
 from .patching import TargetState, patched_modules, target_state
 from .probe import LogitsFn
-from .projection import make_projection, projection_seed
-from .sketch import SketchBank
+from .projection import make_projection, projection_key, projection_seed
+from .sketch import SharedProjection, SketchBank
 from .sync import TargetUpdate, Update, rounding_seed
 from .target import Target
 from .updates import low_rank_sq_norm, next_direction, step_sizes
@@ -92,6 +92,10 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         seed: base seed of the projections.
         projection: ``"rademacher"`` (±1/√r) or ``"gaussian"`` (N(0, 1/r)).
         refresh: draw a new ``A`` after every applied update (default) or keep a fixed basis.
+        share_projections: one ``A`` for the siblings that read the same input (``q/k/v_proj``,
+            ``gate/up_proj``; :data:`~logra_optim.projection.SHARED_INPUT_SIBLINGS`), so that ``x Aᵀ``
+            is computed and saved once for them (default); each keeps its own unbiased sketch.
+            ``False``: one ``A`` per target, as in the paper.
         alpha_max: upper bound on the step scale α chosen by KL control.
         beta2, eps: RowAdam's second-moment decay and relative ε.
         wire_dtype: round ``F = α η U`` to this dtype before merging (default bf16, as the authors
@@ -140,6 +144,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         seed: int = 0,
         projection: str = "rademacher",
         refresh: bool = True,
+        share_projections: bool = True,
         alpha_max: float = 3.0,
         beta2: float = 0.95,
         eps: float = 1e-8,
@@ -170,6 +175,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             seed=int(seed),
             projection=projection,
             refresh=bool(refresh),
+            share_projections=bool(share_projections),
             wire_dtype=wire_dtype,
             stochastic_rounding=bool(stochastic_rounding),
         )
@@ -268,14 +274,16 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         """Index the current ``A`` is drawn with: update u (1-based) uses u−1; 0 for a fixed basis."""
         return self.update_index if self.refresh else 0
 
-    def projection_seed(self, index: int) -> int:
-        """Seed of target ``index``'s current projection ``A`` (what a rollout engine regenerates it from)."""
-        return projection_seed(self.seed, self.projection_index, self._targets[index].name)
+    def projection_seed(self, index: int, update_index: int | None = None) -> int:
+        """Seed of target ``index``'s current projection ``A`` (what a rollout engine regenerates it
+        from); siblings sharing ``A`` (``share_projections``) share it."""
+        key = projection_key(self._targets[index].name, self.options.share_projections)
+        return projection_seed(self.seed, self.projection_index if update_index is None else update_index, key)
 
     def projection_for(self, index: int, update_index: int | None = None) -> torch.Tensor:
         """Regenerate ``A`` of target ``index`` (fp32, on its weight's device)."""
         target = self._targets[index]
-        seed = projection_seed(self.seed, self.projection_index if update_index is None else update_index, target.name)
+        seed = self.projection_seed(index, update_index)
         return make_projection(seed, self.rank, target.shape[1], self.projection, device=target.weight.device)
 
     def sketch_buffers(self) -> list[torch.Tensor]:
@@ -517,11 +525,25 @@ class LoGRAOptimizer(torch.optim.Optimizer):
     # Projections and data parallelism (see :mod:`.distributed`)
 
     def _regenerate_projections(self) -> None:
+        """Draw every target's ``A``, once per group of siblings that share one (same seed, width and
+        device: one tensor and one ``x Aᵀ`` per forward between them)."""
+        shared: dict[tuple, SharedProjection] = {}
         for index, target in enumerate(self._targets):
-            target.state.set_projection(self.projection_for(index))
+            key = (self.projection_seed(index), target.shape[1], target.weight.device)
+            if key not in shared:
+                shared[key] = SharedProjection(self.projection_for(index))
+            target.state.set_projection(shared[key])
 
     def _fingerprint(self) -> dp.ProjectionFingerprint:
-        header = (self.seed, self.projection_index, self.rank, self.projection, self.refresh, len(self._targets))
+        header = (
+            self.seed,
+            self.projection_index,
+            self.rank,
+            self.projection,
+            self.refresh,
+            self.options.share_projections,
+            len(self._targets),
+        )
         return dp.ProjectionFingerprint(
             header,
             tuple(t.name for t in self._targets),
@@ -574,6 +596,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             "rank": self.rank,
             "projection": self.projection,
             "refresh": self.refresh,
+            "share_projections": self.options.share_projections,
             "mismatch": self.mismatch,
             "nonfinite_skips": self.nonfinite_skips,
             "probe_skips": self.probe_skips,
@@ -605,7 +628,12 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         if non_target is not None:
             self.non_target_optimizer.load_state_dict(non_target)
         self.options = replace(
-            self.options, seed=int(logra["seed"]), projection=str(logra["projection"]), refresh=bool(logra["refresh"])
+            self.options,
+            seed=int(logra["seed"]),
+            projection=str(logra["projection"]),
+            refresh=bool(logra["refresh"]),
+            # A checkpoint from before shared projections drew one A per target.
+            share_projections=bool(logra.get("share_projections", False)),
         )
         self.update_index = int(logra["update_index"])
         self.kl_control.mismatch = float(logra["mismatch"])

@@ -83,12 +83,13 @@ def param_group_defaults(
 @dataclass(frozen=True)
 class StepOptions:
     """The settings of every update that are not the param group's: the projections (rank, seed,
-    kind, refresh) and how a factor is rounded and merged."""
+    kind, refresh, sharing between siblings) and how a factor is rounded and merged."""
 
     rank: int
     seed: int = 0
     projection: str = "rademacher"
     refresh: bool = True
+    share_projections: bool = True
     wire_dtype: torch.dtype | None = torch.bfloat16
     stochastic_rounding: bool = True
 

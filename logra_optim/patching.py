@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from .probe import perturbed_linear
 from .projection import canonical_name
-from .sketch import sketched_linear
+from .sketch import SharedProjection, sketched_linear
 
 # Attention and MLP projections of the common decoder families: Llama, Qwen2/3, Mistral, Gemma
 # (q/k/v/o, gate/up/down), Phi-3 (fused qkv_proj, gate_up_proj), OPT/BART (out_proj, fc1, fc2),
@@ -55,12 +55,12 @@ DEFAULT_TARGET_NAMES = frozenset(
 @dataclass(eq=False)
 class TargetState:
     """What a patched linear carries: its names, the flags to restore, and, while an optimizer is
-    bound, the current projection ``A`` (fp32) and sketch view ``S``."""
+    bound, the current projection ``A`` (fp32, possibly shared with sibling targets) and sketch view ``S``."""
 
     name: str
     canonical_name: str
     weight_requires_grad: bool
-    projection: torch.Tensor | None = None
+    shared_projection: SharedProjection | None = None
     sketch: torch.Tensor | None = None
     owner: weakref.ref | None = None
     # Set only while a KL probe runs: the proposed update is ``−probe_factor · A``.
@@ -69,23 +69,21 @@ class TargetState:
     # The dtype the latest probe forward computed this layer in (its input's): under FSDP2's
     # MixedPrecisionPolicy it is bf16 although the stored weight is fp32.
     probe_compute_dtype: torch.dtype | None = None
-    # Casts of ``projection`` to activation dtypes, rebuilt whenever the projection changes.
-    _projection_casts: dict = field(default_factory=dict)
 
-    def set_projection(self, projection: torch.Tensor | None) -> None:
-        self.projection = projection
-        self._projection_casts = {}
+    @property
+    def projection(self) -> torch.Tensor | None:
+        """The current ``A`` (fp32), ``None`` while no optimizer is bound."""
+        return None if self.shared_projection is None else self.shared_projection.projection
+
+    def set_projection(self, projection: torch.Tensor | SharedProjection | None) -> None:
+        """Bind ``A``: a tensor of this target's own, or a :class:`SharedProjection` of siblings."""
+        if isinstance(projection, torch.Tensor):
+            projection = SharedProjection(projection)
+        self.shared_projection = projection
 
     def __deepcopy__(self, memo) -> TargetState:
         # A copied model is a new, unbound model: it must not sketch into this optimizer's buffers.
         return TargetState(self.name, self.canonical_name, self.weight_requires_grad)
-
-    def projection_as(self, dtype: torch.dtype) -> torch.Tensor:
-        if dtype == self.projection.dtype:
-            return self.projection
-        if dtype not in self._projection_casts:
-            self._projection_casts[dtype] = self.projection.to(dtype)
-        return self._projection_casts[dtype]
 
 
 @dataclass(eq=False)
@@ -109,7 +107,7 @@ def _patched_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
             f"projection is on {target.projection.device}. Move the model before creating "
             "LoGRAOptimizer, as with any torch optimizer."
         )
-    return sketched_linear(input, self.weight, self.bias, target.projection_as(input.dtype), target.sketch)
+    return sketched_linear(input, self.weight, self.bias, target.shared_projection, target.sketch)
 
 
 def _is_gpt2_conv1d(module: nn.Module) -> bool:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .kl import exact_kl_terms, fisher_kl_terms
+from .sketch import SharedProjection
 
 LogitsFn = Callable[[nn.Module, "ProbeContexts"], torch.Tensor]
 
@@ -135,11 +136,12 @@ def default_logits_fn(model: nn.Module, contexts: ProbeContexts) -> torch.Tensor
     return output if isinstance(output, torch.Tensor) else output.logits
 
 
-def low_rank_delta(x: torch.Tensor, projection: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+def low_rank_delta(x: torch.Tensor, projection: SharedProjection, factor: torch.Tensor) -> torch.Tensor:
     """``−(x Aᵀ) Fᵀ`` in fp32 (also inside an autocast region): the output change of
-    ``W → W − F A`` for input ``x``."""
+    ``W → W − F A`` for input ``x`` (its primal if ``x`` is dual). ``x Aᵀ`` is computed once for
+    siblings sharing ``x`` and ``A``."""
     with torch.autocast(x.device.type, enabled=False):
-        return -F.linear(F.linear(x.float(), projection.float()), factor.float())
+        return -F.linear(projection.project(x, torch.float32), factor.float())
 
 
 def perturbed_linear(module: nn.Linear, x: torch.Tensor, target) -> torch.Tensor:
@@ -147,10 +149,10 @@ def perturbed_linear(module: nn.Linear, x: torch.Tensor, target) -> torch.Tensor
     target.probe_compute_dtype = fwAD.unpack_dual(x)[0].dtype
     if target.probe_mode == "branch":
         y = F.linear(x, module.weight, module.bias)
-        return y + low_rank_delta(x, target.projection, target.probe_factor).to(y.dtype)
+        return y + low_rank_delta(x, target.shared_projection, target.probe_factor).to(y.dtype)
     primal_x, tangent_x = fwAD.unpack_dual(x)
     y, tangent = _primal_and_tangent(primal_x, tangent_x, module.weight, module.bias)
-    delta = low_rank_delta(primal_x, target.projection, target.probe_factor).to(y.dtype)
+    delta = low_rank_delta(x, target.shared_projection, target.probe_factor).to(y.dtype)
     return fwAD.make_dual(y, delta if tangent is None else tangent + delta)
 
 

@@ -33,6 +33,35 @@ def canonical_name(name: str) -> str:
     return name
 
 
+# Sibling linears that read the same input in the common architectures: attention's query, key and
+# value projections, and the gated MLP's gate and up projections (Llama-style and Mixtral-style names).
+SHARED_INPUT_SIBLINGS = (
+    frozenset({"q_proj", "k_proj", "v_proj"}),
+    frozenset({"query", "key", "value"}),
+    frozenset({"gate_proj", "up_proj"}),
+    frozenset({"w1", "w3"}),
+)
+
+
+def projection_key(name: str, shared: bool = True) -> str:
+    """The name a target's projection is drawn for: its canonical module name, or with ``shared``, one
+    name for the siblings that read the same input (``q/k/v_proj`` → ``…self_attn.{k_proj,q_proj,v_proj}``).
+
+    Siblings with one ``A`` each keep their own sketch ``S_W = G_W Aᵀ``, unbiased as before (``A`` is
+    independent of the data); what they share is ``x Aᵀ``, computed and saved once per forward
+    instead of once per sibling, and one ``A`` in memory. The key depends on names only, so every
+    party (ranks, rollout engine) derives the same one, whichever siblings are actually targets."""
+    name = canonical_name(name)
+    if not shared:
+        return name
+    parent, _, leaf = name.rpartition(".")
+    for siblings in SHARED_INPUT_SIBLINGS:
+        if leaf in siblings:
+            members = ",".join(sorted(siblings))
+            return f"{parent}.{{{members}}}" if parent else f"{{{members}}}"
+    return name
+
+
 def projection_seed(base_seed: int, update_index: int, name: str) -> int:
     """A 63-bit seed from ``(base seed, update index, canonical module name)``.
 

@@ -12,9 +12,11 @@ ranks can average them with one collective, like a bucketed gradient all-reduce.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 
 # An autograd Function's output requires grad only if one of its inputs does. With the embeddings
@@ -23,14 +25,60 @@ import torch.nn.functional as F
 GRAPH_ANCHOR = torch.zeros((), requires_grad=True)
 
 
+class SharedProjection:
+    """The projection ``A`` (fp32) of one or more targets, its casts to activation dtypes, and the
+    projected input ``x Aᵀ`` of the latest input.
+
+    Siblings that read the same ``x`` (``q/k/v_proj``) and share one ``A`` get ``x Aᵀ`` computed
+    once: the first asks, the others find it here. Only a weak reference to ``x`` is kept, and the
+    cached product is dropped as soon as ``x`` is freed, so the cache holds no memory beyond the
+    lifetime of the input it was computed from (autograd keeps what backward needs itself).
+    """
+
+    def __init__(self, projection: torch.Tensor):
+        self.projection = projection
+        self._casts: dict[torch.dtype, torch.Tensor] = {}
+        self._key: tuple | None = None
+        self._input: weakref.ref | None = None
+        self._projected: torch.Tensor | None = None
+
+    def as_dtype(self, dtype: torch.dtype) -> torch.Tensor:
+        """``A`` in ``dtype`` (cast once per projection)."""
+        if dtype == self.projection.dtype:
+            return self.projection
+        if dtype not in self._casts:
+            self._casts[dtype] = self.projection.to(dtype)
+        return self._casts[dtype]
+
+    def project(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``x Aᵀ`` without autograd history (of the primal, for a forward-AD dual ``x``), ``A`` cast
+        to ``dtype`` (default ``x``'s; autocast applies as to any product), reused while the same
+        unchanged ``x`` comes again."""
+        projection = self.as_dtype(x.dtype if dtype is None else dtype)
+        device = x.device.type
+        autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        key = (x._version, projection.dtype, autocast)
+        if self._input is not None and self._input() is x and self._key == key:
+            return self._projected
+        with torch.no_grad():
+            primal = fwAD.unpack_dual(x).primal  # a forward-AD probe passes dual inputs
+            projected = F.linear(primal if dtype is None else primal.to(dtype), projection)
+        self._input, self._key, self._projected = weakref.ref(x, self._forget), key, projected
+        return projected
+
+    def _forget(self, _reference=None) -> None:
+        self._input = self._key = self._projected = None
+
+
 class SketchedLinear(torch.autograd.Function):
-    """``y = x Wᵀ + b`` whose backward accumulates ``gᵀ (x Aᵀ)`` into ``sketch`` (d×r, fp32)."""
+    """``y = x Wᵀ + b`` whose backward accumulates ``gᵀ (x Aᵀ)`` into ``sketch`` (d×r, fp32).
+
+    ``x_projected`` (``x Aᵀ``, no autograd history) comes from :class:`SharedProjection`, so that
+    siblings sharing ``x`` and ``A`` save one tensor between them."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, projection, sketch, anchor):
+    def forward(ctx, x, weight, bias, x_projected, sketch, anchor):
         y = F.linear(x, weight, bias)
-        # Same dtype rules as the main product (autocast applies to both).
-        x_projected = F.linear(x, projection.to(x.dtype))
         ctx.save_for_backward(x_projected, weight)
         ctx.sketch = sketch
         ctx.x_dtype = x.dtype
@@ -55,8 +103,10 @@ class SketchedLinear(torch.autograd.Function):
         return grad_x, None, grad_bias, None, None, None
 
 
-def sketched_linear(x, weight, bias, projection, sketch) -> torch.Tensor:
-    return SketchedLinear.apply(x, weight, bias, projection, sketch, GRAPH_ANCHOR)
+def sketched_linear(x, weight, bias, projection: SharedProjection, sketch) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` that sketches ``gᵀ (x Aᵀ)`` in backward; ``x Aᵀ`` is computed
+    in the dtype of the main product (autocast applies to both)."""
+    return SketchedLinear.apply(x, weight, bias, projection.project(x), sketch, GRAPH_ANCHOR)
 
 
 class SketchBank:

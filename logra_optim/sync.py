@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -218,6 +219,21 @@ def _validate(payload: SyncPayload) -> None:
 def projection_of(payload: SyncPayload, target: TargetUpdate, device=None) -> torch.Tensor:
     """``A`` (r×k, fp32) of one target update: the matrix the trainer merged with."""
     return make_projection(target.seed, payload.rank, target.in_features, payload.projection, device=device)
+
+
+def projections_of(payload: SyncPayload, device=None) -> Callable[[TargetUpdate], torch.Tensor]:
+    """:func:`projection_of` drawing each distinct ``(seed, width)`` once: siblings that share ``A``
+    on the trainer (``share_projections``: q/k/v, gate/up) carry one seed, and the engine need not
+    draw their ``A`` three times."""
+    drawn: dict[tuple[int, int], torch.Tensor] = {}
+
+    def projection(target: TargetUpdate) -> torch.Tensor:
+        key = (target.seed, target.in_features)
+        if key not in drawn:
+            drawn[key] = projection_of(payload, target, device)
+        return drawn[key]
+
+    return projection
 
 
 def rounding_seed(projection_seed: int, update_index: int) -> int:

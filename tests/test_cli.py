@@ -5,6 +5,7 @@ actually saves for backward."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from logra_optim import LoGRAOptimizer
 from logra_optim.cli import main, tasks
 from logra_optim.cli import plan as plan_module
 from logra_optim.cli.runner import WorkerFailed, run_fresh
@@ -250,9 +252,11 @@ def test_a_crashing_worker_is_a_clear_error_naming_it():
 
 def test_quick_demo_learns_and_reports(tmp_path):
     """The README's first command in its short form: all four methods train from one warm start,
-    LoGRA improves the held-out reward and does no worse than dense AdamW beyond the noise of 60
-    updates (the learning comparison proper is benchmarks/bench_learning.py), greedy evaluations
-    during RL are recorded, and table, JSON and plots exist."""
+    every LoGRA update moves the policy by its KL budget (or less, where ``alpha_max`` binds), greedy
+    evaluations during RL are recorded, and table, JSON and plots exist. Whether a method learns is
+    not asserted here: 60 updates of the tiny policy do not separate learning from noise (over six
+    seeds LoGRA's greedy reward went from 0.550 to 0.551 ± 0.10); that is what bench_learning.py and
+    the demo's stored runs measure."""
     result = run_cli("demo", "--quick", "--eval-every", "30", "--output", str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
     for label in ("LoGRA", "dense AdamW", "AdamW on LoGRA's targets", "LoRA"):
@@ -272,9 +276,17 @@ def test_quick_demo_learns_and_reports(tmp_path):
         assert run["before"] == runs["logra"]["before"]
     # LoRA trains adapters of rank r on the targets; AdamW on the targets exactly LoGRA's weights.
     assert runs["lora"]["trained_params"] < runs["adamw-targets"]["trained_params"] < runs["adamw"]["trained_params"]
-    assert runs["logra"]["after"]["reward"] > runs["logra"]["before"]["reward"]
-    assert runs["logra"]["after"]["reward"] > runs["adamw"]["after"]["reward"] - 0.1
-    assert runs["logra"]["logra_stats"]["logra/alpha"], "LoGRA's stats reach the training logs"
+    stats = runs["logra"]["logra_stats"]
+    assert len(stats["logra/alpha"]) == 60, "LoGRA's stats reach the training logs"
+    budget = summary["settings"]["kl_budget"]
+    alpha_max = inspect.signature(LoGRAOptimizer).parameters["alpha_max"].default  # the demo keeps it
+    for alpha, q, step_kl in zip(stats["logra/alpha"], stats["logra/predicted_kl"], stats["logra/predicted_step_kl"]):
+        if q == 0.0:  # every advantage zero: nothing to move
+            assert alpha == 1.0 and step_kl == 0.0
+        elif alpha < alpha_max:
+            assert step_kl == pytest.approx(budget, rel=1e-9)
+        else:
+            assert step_kl <= budget
     for image in ("reward.png", "memory.png"):
         assert (tmp_path / image).read_bytes()[:8] == PNG_MAGIC
 

@@ -24,6 +24,7 @@ from tests.helpers.recorders import OutputShapes
 from tests.helpers.reference import U16, U32
 from tests.helpers.tiny import OneLinear, fixed_batch, sketches, tiny_qwen2
 from logra_optim.patching import target_state
+from logra_optim.projection import projection_key
 
 
 def targets(model):
@@ -67,7 +68,9 @@ def test_merge_matches_dense_reference(direction, mode, wire, refresh, kind, ran
         before = snapshot(model)
         for (name, _), (_, _, a) in zip(targets(model), before):
             index = step - 1 if refresh else 0
-            assert torch.equal(a.float(), make_projection(projection_seed(seed, index, name), rank, a.shape[1], kind))
+            assert torch.equal(
+                a.float(), make_projection(projection_seed(seed, index, projection_key(name)), rank, a.shape[1], kind)
+            )
         opt.step()
 
         directions = []
@@ -200,7 +203,7 @@ def test_projection_refresh_and_fixed_basis(tiny, batch):
         for model, optimizer, index in ((tiny, opt, update), (fixed_model, fixed, 0)):
             assert optimizer.projection_index == index
             for name, module in targets(model):
-                seed = projection_seed(9, index, name)
+                seed = projection_seed(9, index, projection_key(name))
                 assert torch.equal(target_state(module).projection, make_projection(seed, 4, module.in_features))
             model(**batch).loss.backward()
             optimizer.step()
@@ -278,6 +281,26 @@ def test_non_target_optimizer_state_is_checkpointed(batch):
     plain_model = patch_model(tiny_qwen2())
     with pytest.raises(ValueError, match="non_target_optimizer"):
         LoGRAOptimizer(plain_model, rank=4, lr=1e-3).load_state_dict(state)
+
+
+def test_state_dict_keeps_the_projection_sharing(batch):
+    """``share_projections`` is part of what determines ``A``: a resume draws the projections the
+    checkpoint was trained with, and a checkpoint from before the option (no key) drew one per target."""
+    model = patch_model(tiny_qwen2())
+    opt = LoGRAOptimizer(model, rank=4, lr=1e-3, share_projections=False)
+    model.train()
+    model(**batch).loss.backward()
+    opt.step()
+    state = opt.state_dict()
+    assert state["logra"]["share_projections"] is False
+    resumed = LoGRAOptimizer(patch_model(tiny_qwen2()), rank=4, lr=1e-3)  # default: shared
+    resumed.load_state_dict(state)
+    assert all(torch.equal(a.state.projection, b.state.projection) for a, b in zip(opt.targets, resumed.targets))
+    del state["logra"]["share_projections"]
+    shared = LoGRAOptimizer(patch_model(tiny_qwen2()), rank=4, lr=1e-3)
+    shared.load_state_dict(state)
+    assert not shared.options.share_projections
+    assert len({id(t.state.projection) for t in shared.targets}) == len(shared.targets)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -215,3 +215,27 @@ def test_chunked_head_falls_back_when_it_misses_a_logit_multiplier(multiplier):
     assert float(q_fast) == pytest.approx(float(q_full), rel=1e-5)
     assert (base is None) == (multiplier == 1.0)  # the chunked path only where it is exact
     assert torch.isfinite(q_full) and float(q_full) > 0
+
+
+def test_probe_computes_x_projection_once_for_siblings_with_the_same_result(fitted_model):
+    """Siblings (q/k/v, gate/up) share one ``A`` and the probe reuses ``x Aᵀ`` between them; giving
+    every target its own copy of the same ``A`` (no reuse) must predict the same KL."""
+    from logra_optim.sketch import SharedProjection
+
+    base, batch = fitted_model
+    model = patch_model(copy.deepcopy(base))
+    opt = LoGRAOptimizer(model, rank=8, kl_budget=1e-4, direction="sgd", wire_dtype=None)
+    model(**batch).loss.backward()
+    targets = [t.state for t in opt.targets]
+    assert len({id(t.shared_projection) for t in targets}) == 4 * model.config.num_hidden_layers
+    factors = [t.sketch * 1e-1 for t in targets]
+    contexts = opt.kl_control.contexts()
+    shared = jvp_predicted_kl(model, targets, factors, contexts, keep_base=True)
+    originals = [t.shared_projection for t in targets]
+    for t in targets:
+        t.set_projection(SharedProjection(t.projection.clone()))
+    separate = jvp_predicted_kl(model, targets, factors, contexts, keep_base=True)
+    for t, original in zip(targets, originals):
+        t.set_projection(original)
+    torch.testing.assert_close(shared[0], separate[0], rtol=1e-6, atol=0)
+    torch.testing.assert_close(shared[2], separate[2], rtol=0, atol=0)

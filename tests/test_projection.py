@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from logra_optim import canonical_name, make_projection, projection_seed
+from logra_optim.projection import projection_key
 
 KINDS = ("rademacher", "gaussian")
 Q_PROJ = "model.layers.0.self_attn.q_proj"
@@ -63,6 +64,24 @@ def test_canonical_name_strips_wrapper_prefixes(wrapped):
 )
 def test_canonical_name_leaves_real_components_alone(name):
     assert canonical_name(name) == name
+
+
+@pytest.mark.parametrize(
+    ("names", "shared"),
+    [
+        (["model.layers.3.self_attn.q_proj", "model.layers.3.self_attn.k_proj", "model.layers.3.self_attn.v_proj"], 1),
+        (["model.layers.3.mlp.gate_proj", "module.model.layers.3.mlp.up_proj"], 1),  # wrappers do not matter
+        (["encoder.layer.0.attention.self.query", "encoder.layer.0.attention.self.key"], 1),
+        (["model.layers.3.self_attn.q_proj", "model.layers.4.self_attn.q_proj"], 2),  # another layer
+        (["model.layers.3.self_attn.q_proj", "model.layers.3.self_attn.o_proj"], 2),  # o reads its own input
+        (["model.layers.3.mlp.up_proj", "model.layers.3.mlp.down_proj"], 2),
+        (["model.layers.3.self_attn.q_proj", "model.layers.3.mlp.gate_proj"], 2),
+    ],
+)
+def test_projection_key_is_one_per_shared_input(names, shared):
+    assert len({projection_key(name) for name in names}) == shared
+    assert [projection_key(name, shared=False) for name in names] == [canonical_name(name) for name in names]
+    assert projection_key("model.layers.3.self_attn.o_proj") == "model.layers.3.self_attn.o_proj"
 
 
 @given(

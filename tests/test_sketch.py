@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from logra_optim import LoGRAOptimizer, make_projection, patch_model, projection_seed
-from logra_optim.sketch import GRAPH_ANCHOR, SketchBank, sketched_linear
+from logra_optim.sketch import GRAPH_ANCHOR, SharedProjection, SketchBank, sketched_linear
 from tests.helpers.recorders import OutputShapes, SavedTensors
 from tests.helpers.reference import U16, U32, dense_gradient, dense_sketch
 from tests.helpers.tiny import OneLinear, fixed_batch, tiny_qwen2
@@ -61,7 +61,7 @@ def test_sketched_linear_matches_dense_float64(b, t, k, d, r, bias, kind, dtype,
     a = make_projection(seed, r, k, kind)
     sketch = torch.zeros(d, r)
 
-    y = sketched_linear(x, weight, bias_t, a, sketch)
+    y = sketched_linear(x, weight, bias_t, SharedProjection(a), sketch)
     assert torch.equal(y, F.linear(x, weight, bias_t))  # the forward is the plain linear, bit for bit
     y.backward(g)
 
@@ -101,9 +101,9 @@ def test_microbatch_accumulation_equals_one_batch(n, k, d, r, cuts, seed):
 
     accumulated = torch.zeros(d, r)
     for start, stop in zip(bounds, bounds[1:]):
-        sketched_linear(x[start:stop], weight, None, a, accumulated).backward(g[start:stop])
+        sketched_linear(x[start:stop], weight, None, SharedProjection(a), accumulated).backward(g[start:stop])
     single = torch.zeros(d, r)
-    sketched_linear(x, weight, None, a, single).backward(g)
+    sketched_linear(x, weight, None, SharedProjection(a), single).backward(g)
 
     expected = dense_sketch(g, x, a)
     bound = sketch_error_bound(g.double(), x.double(), a.double(), torch.float32, n, k)
@@ -152,28 +152,35 @@ def test_sketch_reconstruction_is_unbiased(kind):
     every entry with G in units of its standard error. For one draw,
     Var[(S A)_ab] = (‖G_a‖² + (κ − 1) G_ab²) / r with κ = 0 (Rademacher) or 2 (Gaussian); the mean of
     M draws has 1/M of it. Bonferroni over the d·k entries at |z| < 5, plus the mean z² ≈ 1, which
-    fails if the projection is mis-scaled (biased) or the spread is not the predicted one."""
+    fails if the projection is mis-scaled (biased) or the spread is not the predicted one.
+
+    Two siblings read the same ``x`` and share one ``A`` per draw (``share_projections``): each
+    one's reconstruction must be unbiased on its own."""
     d, k, r, m, n = 12, 40, 4, 300, 30
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(n, k, generator=generator)
-    g = torch.randn(n, d, generator=generator)
-    weight = torch.randn(d, k, generator=generator)
-    dense_grad = dense_gradient(g, x)
+    gs = [torch.randn(n, d, generator=generator) for _ in range(2)]
+    weights = [torch.randn(d, k, generator=generator) for _ in range(2)]
+    dense_grads = [dense_gradient(g, x) for g in gs]
 
-    total = torch.zeros(d, k, dtype=torch.float64)
+    totals = [torch.zeros(d, k, dtype=torch.float64) for _ in range(2)]
     for i in range(m):
         a = make_projection(projection_seed(0, i, "model.layers.0.mlp.up_proj"), r, k, kind)
-        sketch = torch.zeros(d, r)
-        sketched_linear(x, weight, None, a, sketch).backward(g)
-        total += sketch.double() @ a.double()
-    mean = total / m
+        shared = SharedProjection(a)
+        sketches = [torch.zeros(d, r) for _ in range(2)]
+        outputs = [sketched_linear(x, w, None, shared, s) for w, s in zip(weights, sketches)]
+        torch.autograd.backward(outputs, gs)
+        for total, sketch in zip(totals, sketches):
+            total += sketch.double() @ a.double()
 
     kappa = 0.0 if kind == "rademacher" else 2.0
-    row_sq = dense_grad.square().sum(dim=1, keepdim=True)
-    variance = (row_sq + (kappa - 1.0) * dense_grad.square()) / (r * m)
-    z = (mean - dense_grad) / variance.sqrt()
-    assert z.abs().max() < 5.0
-    assert 0.75 < z.square().mean() < 1.25
+    for total, dense_grad in zip(totals, dense_grads):
+        mean = total / m
+        row_sq = dense_grad.square().sum(dim=1, keepdim=True)
+        variance = (row_sq + (kappa - 1.0) * dense_grad.square()) / (r * m)
+        z = (mean - dense_grad) / variance.sqrt()
+        assert z.abs().max() < 5.0
+        assert 0.75 < z.square().mean() < 1.25
 
 
 # --------------------------------------------------------------------------------------------------
@@ -240,6 +247,31 @@ def test_no_target_input_is_saved_in_a_training_forward_of_qwen2():
     found = target_inputs_and_saved(patched)
     assert len(found) == 14 and not any(found)
     assert all(m.weight.grad is None for m in patched.modules() if hasattr(m, "_logra"))
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_siblings_share_one_projection_and_one_saved_product(share):
+    """With ``share_projections`` q/k/v and gate/up each hold one ``A`` and one ``x Aᵀ`` per forward,
+    computed once and saved once: 4 products per decoder layer instead of 7 (o and down read
+    inputs of their own). Without it, one per target, as in the paper."""
+    rank = 5  # no dimension of the tiny model
+    model = patch_model(tiny_qwen2())
+    optimizer = LoGRAOptimizer(model, rank=rank, lr=1.0, share_projections=share)
+    layers = model.config.num_hidden_layers
+    distinct = {id(t.state.projection) for t in optimizer.targets}
+    assert len(distinct) == (4 if share else 7) * layers
+    attention = model.model.layers[0].self_attn
+    same = target_state(attention.q_proj).projection is target_state(attention.k_proj).projection
+    assert same == share
+    model.train()
+    with SavedTensors() as saved, OutputShapes() as produced:
+        loss = model(**fixed_batch()).loss
+    saved_products = {t.untyped_storage().data_ptr() for t in saved.saved if t.dim() and t.shape[-1] == rank}
+    assert len(saved_products) == (4 if share else 7) * layers
+    products = [shape for shape in produced.projected_inputs(rank) if len(shape) == 3]  # not Aᵀ views
+    assert len(products) == (4 if share else 7) * layers  # computed once, too
+    loss.backward()
+    assert all(bool(t.state.sketch.any()) for t in optimizer.targets)
 
 
 def test_backward_forms_no_weight_sized_tensor():

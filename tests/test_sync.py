@@ -4,6 +4,7 @@ No vLLM needed here: the engine tests are in test_vllm.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import pytest
@@ -22,6 +23,7 @@ from logra_optim.sync import (
     UpdateRecorder,
     checksum_probe,
     projection_of,
+    projections_of,
     relative_drift,
     weight_checksum,
 )
@@ -86,6 +88,22 @@ def test_projection_of_payload_is_the_seeded_projection():
     payload = _payload()
     target = payload.updates[1].targets[0]
     assert torch.equal(projection_of(payload, target), make_projection(target.seed, 3, 7, "rademacher"))
+
+
+def test_projections_of_draw_a_shared_seed_once():
+    """q/k/v of one layer carry one seed when the trainer shares their ``A``; the engine draws it once."""
+    patched = patch_model(tiny_qwen2())
+    optimizer = LoGRAOptimizer(patched, rank=3, lr=1e-3)
+    seeds = {t.name: optimizer.projection_seed(i) for i, t in enumerate(optimizer.targets)}
+    q, k, o = (f"model.layers.0.self_attn.{m}" for m in ("q_proj", "k_proj", "o_proj"))
+    assert seeds[q] == seeds[k] != seeds[o]
+    payload = _payload()
+    projection = projections_of(payload)
+    first, second = payload.updates[1].targets[0], payload.updates[0].targets[0]
+    shared = dataclasses.replace(second, seed=first.seed)
+    assert projection(first) is projection(shared)
+    assert torch.equal(projection(first), projection_of(payload, first))
+    assert projection(second) is not projection(first)
 
 
 @pytest.mark.parametrize(

