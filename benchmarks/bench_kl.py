@@ -5,9 +5,11 @@ far from uniform, as a trained LLM's are); then LoGRA takes several steps at eac
 every step the exact full-vocabulary KL between the policy before and after the step is measured
 on the probe contexts, independently of the optimizer's bookkeeping.
 
-Cost: on a Qwen2 of realistic width, the median time of the JVP probe and of the finite-difference
-probe over the probe contexts, divided by the median time of one plain (eval, no-grad) forward of
-the same contexts. Each model size runs in a fresh process (``runner.run_fresh``), after warm-up.
+Cost: on a Qwen2 of realistic width, the median time of the JVP probe (with the weights' precision
+and with bf16 products) and of the finite-difference probe over the probe contexts, divided by the
+median time of one plain (eval, no-grad) forward of the same contexts and by that of a forward and
+backward of them with every weight frozen (the floor of any method that keeps activations). Each
+model size runs in a fresh process (``runner.run_fresh``), after warm-up.
 
     python benchmarks/bench_kl.py --json benchmarks/results/kl.json
 """
@@ -35,9 +37,15 @@ from logra_optim.probe import (
 )
 
 BUDGETS = (1e-5, 3e-5, 1e-4, 2e-4)
-# (probe, realised-KL check): the two predictors, and the JVP probe with the check that measures the
-# true KL after merging and retries with a rescaled α when it is off by more than 5%.
-VARIANTS = (("jvp", False), ("finite_difference", False), ("jvp", True))
+# (probe, realised-KL check, probe dtype): the two predictors, the JVP probe with the check that
+# measures the true KL after merging and retries with a rescaled α when it is off by more than 5%,
+# and the JVP probe with bf16 products (probe_dtype).
+VARIANTS = (
+    ("jvp", False, None),
+    ("finite_difference", False, None),
+    ("jvp", True, None),
+    ("jvp", False, torch.bfloat16),
+)
 
 
 def qwen2(hidden: int, layers: int, vocab: int, seed: int = 0):
@@ -72,8 +80,8 @@ def accuracy(args) -> list[dict]:
     contexts = contexts_from_batch(ids, labels=ids, samples=2)
 
     rows = []
-    for probe, check in VARIANTS:
-        name = probe + (" + realised-KL check" if check else "")
+    for probe, check, dtype in VARIANTS:
+        name = probe + (" + realised-KL check" if check else "") + (" (bf16 products)" if dtype else "")
         for budget in BUDGETS:
             model = patch_model(copy.deepcopy(base))
             opt = LoGRAOptimizer(
@@ -85,6 +93,7 @@ def accuracy(args) -> list[dict]:
                 alpha_max=1e3,
                 realised_kl_check=check,
                 realised_kl_tolerance=0.05,
+                probe_dtype=dtype,
             )
             ratios = []
             for _ in range(args.acc_steps):
@@ -144,6 +153,20 @@ def cost_worker(spec: dict) -> dict:
 
     plain_s = _median_seconds(plain, runs, warmup)
     jvp_s = _median_seconds(lambda: jvp_predicted_kl(model, targets, factors, contexts), runs, warmup)
+    jvp_bf16_s = _median_seconds(
+        lambda: jvp_predicted_kl(model, targets, factors, contexts, keep_base=False, compute_dtype=torch.bfloat16),
+        runs,
+        warmup,
+    )
+    # The floor of a method that keeps activations: forward and backward of the same tokens with
+    # every weight frozen (input gradients only).
+    frozen = qwen2(hidden, layers, vocab).requires_grad_(False)
+    frozen.enable_input_require_grads()
+
+    def floor():
+        frozen(input_ids=ids, labels=ids).loss.backward()
+
+    floor_s = _median_seconds(floor, runs, warmup)
     fd_s = _median_seconds(lambda: finite_difference_predicted_kl(model, targets, factors, contexts), runs, warmup)
     return {
         "hidden": hidden,
@@ -153,9 +176,14 @@ def cost_worker(spec: dict) -> dict:
         "rank": rank,
         "plain_forward_s": plain_s,
         "jvp_s": jvp_s,
+        "jvp_bf16_s": jvp_bf16_s,
         "fd_s": fd_s,
+        "frozen_forward_backward_s": floor_s,
         "jvp_over_forward": jvp_s / plain_s,
+        "jvp_bf16_over_forward": jvp_bf16_s / plain_s,
         "fd_over_forward": fd_s / plain_s,
+        "jvp_over_floor": jvp_s / floor_s,
+        "jvp_bf16_over_floor": jvp_bf16_s / floor_s,
     }
 
 
@@ -194,19 +222,26 @@ def main() -> None:
         results["cost"].append(row)
         print(
             f"cost hidden {hidden} layers {layers} ({row['tokens']} probe tokens, r={row['rank']}): "
-            f"JVP {row['jvp_over_forward']:.2f}× a forward, FD {row['fd_over_forward']:.2f}×",
+            f"JVP {row['jvp_over_forward']:.2f}× a forward ({row['jvp_over_floor']:.2f}× the frozen forward+backward), "
+            f"bf16 JVP {row['jvp_bf16_over_forward']:.2f}× ({row['jvp_bf16_over_floor']:.2f}×), "
+            f"FD {row['fd_over_forward']:.2f}×",
             file=sys.stderr,
         )
 
     print("\n| probe | budget | realised / budget (median [min, max] over steps) |\n|---|---|---|")
     for row in results["accuracy"]:
         print(f"| {row['probe']} | {row['budget']:.0e} | {row['median']:.3f} [{row['min']:.3f}, {row['max']:.3f}] |")
-    print("\n| model (hidden × layers, vocab) | probe tokens | plain forward s | JVP probe | FD probe |")
-    print("|---|---|---|---|---|")
+    print(
+        "\n| model (hidden × layers, vocab) | probe tokens | plain forward s | frozen fwd+bwd s | JVP probe "
+        "| JVP probe, bf16 products | FD probe |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for row in results["cost"]:
         print(
-            f"| {row['hidden']} × {row['layers']}, {row['vocab']} | {row['tokens']} | {row['plain_forward_s']:.3f} | "
-            f"{row['jvp_over_forward']:.2f}× | {row['fd_over_forward']:.2f}× |"
+            f"| {row['hidden']} × {row['layers']}, {row['vocab']} | {row['tokens']} | {row['plain_forward_s']:.3f} "
+            f"| {row['frozen_forward_backward_s']:.3f} | {row['jvp_over_forward']:.2f}× ({row['jvp_over_floor']:.2f}×) "
+            f"| {row['jvp_bf16_over_forward']:.2f}× ({row['jvp_bf16_over_floor']:.2f}×) "
+            f"| {row['fd_over_forward']:.2f}× |"
         )
     if args.json:
         with open(args.json, "w") as f:

@@ -374,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device,
             batch_size=args.batch_size,
             probe_samples=args.probe_samples,
+            probe_dtype=None,  # as the stored results were measured
             warm_start_lr=args.warm_start_lr,
         )
         if args.quick:

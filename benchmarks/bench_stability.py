@@ -187,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         seeds=args.seeds,
         batch_size=args.batch_size,
         probe_samples=32,
+        probe_dtype=None,  # the realised-KL check compares fp32 logits
         warm_start_steps=args.warm_start_steps,
         methods=["logra"],
         device=args.device,

@@ -178,7 +178,13 @@ class KLController:
         started = time.perf_counter()
         if options.probe == "jvp":
             total, tokens, base = jvp_predicted_kl(
-                self.model, targets, factors, contexts, self.logits_fn, keep_base=options.realised_kl_check
+                self.model,
+                targets,
+                factors,
+                contexts,
+                self.logits_fn,
+                keep_base=options.realised_kl_check,
+                compute_dtype=options.probe_dtype,
             )
         else:
             total, tokens, base = finite_difference_predicted_kl(

@@ -115,6 +115,7 @@ class KLOptions:
     alpha_max: float = 3.0
     probe: str = "jvp"
     probe_samples: int = 2
+    probe_dtype: torch.dtype | None = None
     temperature: float = 1.0
     probe_logits_fn: LogitsFn | None = None
     fd_epsilon: float = 1.0
@@ -129,6 +130,20 @@ class KLOptions:
         if self.probe not in PROBES:
             raise ValueError(f"probe must be one of {PROBES}, got {self.probe!r}")
         _non_negative_int("probe_samples", self.probe_samples, minimum=1)
+        if self.probe_dtype is not None:
+            if self.probe_dtype not in (torch.bfloat16, torch.float16):
+                raise ValueError(f"probe_dtype must be None, torch.bfloat16 or torch.float16, got {self.probe_dtype!r}")
+            if self.probe != "jvp":
+                raise ValueError(
+                    f"probe_dtype={self.probe_dtype} needs probe='jvp': the finite-difference probe takes the "
+                    "difference of two forwards, which 16-bit rounding would swamp for a realistic step"
+                )
+            if self.realised_kl_check:
+                raise ValueError(
+                    f"probe_dtype={self.probe_dtype} cannot be combined with realised_kl_check: the check compares "
+                    "the logits before and after the merge in the weights' precision, and the probe's 16-bit base "
+                    "logits differ from those by their rounding"
+                )
         positive("temperature", self.temperature)
         positive("fd_epsilon", self.fd_epsilon)
         positive("realised_kl_tolerance", self.realised_kl_tolerance)

@@ -164,7 +164,7 @@ def _primal_and_tangent(
     if tangent_x is None:
         return F.linear(x, weight, bias), None
     both = F.linear(torch.stack((x, tangent_x.to(x.dtype))), weight)
-    y = both[0] if bias is None else both[0] + bias
+    y = both[0] if bias is None else both[0] + bias.to(both.dtype)  # as F.linear's bias under autocast
     return y, both[1]
 
 
@@ -240,6 +240,16 @@ def inference_environment(model: nn.Module) -> Iterator[None]:
             config._attn_implementation = attention
         if wrapped_forward is not None:
             model.forward = wrapped_forward
+
+
+@contextlib.contextmanager
+def _autocast(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
+    """Autocast in ``dtype`` on every device type the model's parameters use (nothing for ``None``)."""
+    with contextlib.ExitStack() as stack:
+        if dtype is not None:
+            for device_type in _autocast_device_types(model):
+                stack.enter_context(torch.autocast(device_type, dtype=dtype))
+        yield
 
 
 def _autocast_device_types(model: nn.Module) -> list[str]:
@@ -329,7 +339,13 @@ def _chunked_head_kl_terms(decoder, head: nn.Linear, contexts: ProbeContexts) ->
 
 
 def jvp_predicted_kl(
-    model, targets, factors, contexts: ProbeContexts, logits_fn: LogitsFn = default_logits_fn, keep_base: bool = True
+    model,
+    targets,
+    factors,
+    contexts: ProbeContexts,
+    logits_fn: LogitsFn = default_logits_fn,
+    keep_base: bool = True,
+    compute_dtype: torch.dtype | None = None,
 ):
     """``(Σ_s q_s, |P|, base logits at P)`` for the update ``D_W = −F A``, from one dual forward.
 
@@ -337,10 +353,15 @@ def jvp_predicted_kl(
     default ``logits_fn``, the LM head runs a chunk of positions at a time where the model allows
     it (see ``_chunkable_head``), and the base logits returned are ``None``: the full
     ``positions × vocabulary`` logits, twice over, would otherwise set the probe's memory peak at
-    large vocabularies."""
+    large vocabularies.
+
+    ``compute_dtype`` (bf16/fp16): the forward runs under autocast in that dtype, so primal and
+    tangent products are 16-bit; the low-rank term ``−(x Aᵀ) Fᵀ`` stays fp32 and the KL terms
+    float64. ``None``: the weights' own precision, outside any autocast region."""
     split = _chunkable_head(model, contexts) if not keep_base and logits_fn is default_logits_fn else None
     with (
         inference_environment(model),
+        _autocast(model, compute_dtype),
         fwAD.dual_level(),
         _probe_targets(targets, factors, "tangent"),
         _frozen_linears_with_tangents(model),

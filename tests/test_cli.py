@@ -342,6 +342,14 @@ def test_bench_peers_floor_and_accumulation(tmp_path):
     assert data["meta"]["accumulation"] == 2 and "× 2 microbatches" in data["meta"]["title"]
 
 
+def test_bench_with_kl_control_and_a_bf16_probe(tmp_path, capsys):
+    data = run_tiny_bench(tmp_path, "logra-rowadam", "--kl-budget", "1e-3", "--probe-dtype", "bfloat16")
+    assert [r["label"] for r in data["results"]] == ["logra-rowadam r=8"]
+    assert data["meta"]["kl_budget"] == 1e-3 and data["meta"]["probe_dtype"] == "bfloat16"
+    message = usage_error(capsys, "bench", "--probe-dtype", "bfloat16", "--output", str(tmp_path / "no"))
+    assert "--probe-dtype needs --kl-budget" in message
+
+
 @pytest.mark.parametrize("method", ["apollo", "apollo-mini", "flora"])
 def test_bench_peers_update_every_parameter(method):
     """A peer's step changes the weights it trains (targets and the rest alike)."""

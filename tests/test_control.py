@@ -21,12 +21,18 @@ from tests.helpers.tiny import tiny_qwen2
 # The step lands on the budget
 
 
-@pytest.mark.parametrize("probe", ["jvp", "finite_difference"])
+@pytest.mark.parametrize(
+    ("probe", "probe_dtype"), [("jvp", None), ("finite_difference", None), ("jvp", torch.bfloat16)], ids=str
+)
 @pytest.mark.parametrize("budget", [1e-5, 5e-5, 1e-4, 2e-4])
-def test_realised_kl_matches_the_budget(fitted_model, probe, budget):
+def test_realised_kl_matches_the_budget(fitted_model, probe, probe_dtype, budget):
+    """Also with the JVP probe's products in bf16: the tangent is computed, not differenced, so
+    16-bit products cost the prediction about a percent, not its meaning."""
     base, batch = fitted_model
     model = patch_model(copy.deepcopy(base))
-    opt = LoGRAOptimizer(model, rank=16, kl_budget=budget, probe=probe, update_ratio=5e-3, alpha_max=100.0)
+    opt = LoGRAOptimizer(
+        model, rank=16, kl_budget=budget, probe=probe, probe_dtype=probe_dtype, update_ratio=5e-3, alpha_max=100.0
+    )
     contexts = contexts_from_batch(batch["input_ids"], labels=batch["labels"], samples=2)
     for _ in range(3):
         before = copy.deepcopy(model)
@@ -223,6 +229,9 @@ def test_non_finite_prediction_skips_the_step(fitted_model):
         (dict(kl_budget=1e-4, probe_samples=0), "probe_samples"),
         (dict(kl_budget=1e-4, fd_epsilon=-1.0), "fd_epsilon"),
         (dict(kl_budget=1e-4, mismatch_ema=0.0), "mismatch_ema"),
+        (dict(kl_budget=1e-4, probe_dtype=torch.float64), "probe_dtype must be None, torch.bfloat16"),
+        (dict(kl_budget=1e-4, probe_dtype=torch.bfloat16, probe="finite_difference"), "probe_dtype.*needs probe='jvp'"),
+        (dict(kl_budget=1e-4, probe_dtype=torch.bfloat16, realised_kl_check=True), "probe_dtype.*realised_kl_check"),
     ],
 )
 def test_bad_kl_arguments_are_rejected(kwargs, message):

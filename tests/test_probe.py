@@ -239,3 +239,27 @@ def test_probe_computes_x_projection_once_for_siblings_with_the_same_result(fitt
         t.set_projection(original)
     torch.testing.assert_close(shared[0], separate[0], rtol=1e-6, atol=0)
     torch.testing.assert_close(shared[2], separate[2], rtol=0, atol=0)
+
+
+def test_probe_in_bf16_runs_its_products_in_bf16_and_predicts_within_a_percent(fitted_model):
+    """``probe_dtype=torch.bfloat16``: the weight products of the dual forward are bf16 (seen at the
+    dispatcher), the prediction stays within 1% of the fp32 probe's, and the weights are untouched."""
+    from tests.helpers.recorders import MatmulDtypes
+
+    base, batch = fitted_model
+    model = patch_model(copy.deepcopy(base))
+    opt = LoGRAOptimizer(model, rank=16, kl_budget=1e-4, wire_dtype=None)
+    model(**batch).loss.backward()
+    targets = [t.state for t in opt.targets]
+    factors = [t.sketch * 1e-2 for t in targets]
+    contexts = opt.kl_control.contexts()
+    weights = [p.clone() for p in model.parameters()]
+    with MatmulDtypes() as fp32_run:
+        q32, n32, _ = jvp_predicted_kl(model, targets, factors, contexts, keep_base=False)
+    with MatmulDtypes() as bf16_run:
+        q16, n16, _ = jvp_predicted_kl(model, targets, factors, contexts, keep_base=False, compute_dtype=torch.bfloat16)
+    assert fp32_run.dtypes == {torch.float32, torch.float64}  # float64: the KL terms
+    assert bf16_run.dtypes == {torch.bfloat16, torch.float32, torch.float64}  # fp32: −(x Aᵀ) Fᵀ
+    assert n16 == n32 and float(q16) == pytest.approx(float(q32), rel=1e-2)
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+    assert not torch.is_autocast_enabled("cpu")

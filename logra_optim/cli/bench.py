@@ -122,6 +122,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="run LoGRA with predicted-KL control (its JVP probe each step); unset: no KL control",
     )
+    parser.add_argument(
+        "--probe-dtype",
+        choices=["bfloat16", "float16"],
+        default=None,
+        help="with --kl-budget: the JVP probe's products in this dtype (default: the weights' precision)",
+    )
     parser.add_argument("--checkpointing", action="store_true", help="non-reentrant gradient checkpointing")
     parser.add_argument(
         "--accumulation", type=positive_int, default=1, help="microbatches (forward+backward) per optimizer step"
@@ -174,7 +180,9 @@ def build_model(spec: dict, device: str):
     return model.train()
 
 
-def make_optimizer(model, method: str, rank: int, kl_budget: float | None = None):
+def make_optimizer(
+    model, method: str, rank: int, kl_budget: float | None = None, probe_dtype: torch.dtype | None = None
+):
     """The optimizer of ``method`` (and the model it trains: LoRA wraps it); ``None`` for the
     ``frozen`` floor, whose step is forward and backward alone."""
     if method == "frozen":
@@ -183,7 +191,11 @@ def make_optimizer(model, method: str, rank: int, kl_budget: float | None = None
         return model, None
     if method.startswith("logra-"):
         optimizer = LoGRAOptimizer(
-            patch_model(model), rank=rank, direction=method.removeprefix("logra-"), kl_budget=kl_budget
+            patch_model(model),
+            rank=rank,
+            direction=method.removeprefix("logra-"),
+            kl_budget=kl_budget,
+            probe_dtype=probe_dtype,
         )
         return model, optimizer
     targets = find_target_modules(model)
@@ -243,7 +255,8 @@ def run_worker(spec: dict) -> dict:
     device = spec["device"]
     baseline = memory_baseline(device)
     model = build_model(spec, device)
-    model, optimizer = make_optimizer(model, spec["method"], spec["rank"], spec.get("kl_budget"))
+    probe_dtype = getattr(torch, spec["probe_dtype"]) if spec.get("probe_dtype") else None
+    model, optimizer = make_optimizer(model, spec["method"], spec["rank"], spec.get("kl_budget"), probe_dtype)
     generator = torch.Generator().manual_seed(1)
     input_ids = torch.randint(0, model.config.vocab_size, (spec["batch"], spec["seq"]), generator=generator).to(device)
     steps, optimizer_parts = [], []
@@ -392,6 +405,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
 
     if args.config and not Path(args.config).exists():
         parser.error(f"--config {args.config}: no such file")
+    if args.probe_dtype and args.kl_budget is None:
+        parser.error("--probe-dtype needs --kl-budget: without KL control no probe runs")
     device = resolve_device(args.device)
     layers = args.layers or (None if (args.model or args.config) else DEFAULT_LAYERS[args.preset])
     base_spec = dict(
@@ -406,6 +421,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
         threads=args.threads,
         device=device,
         kl_budget=args.kl_budget,
+        probe_dtype=args.probe_dtype,
         checkpointing=args.checkpointing,
         accumulation=args.accumulation,
     )

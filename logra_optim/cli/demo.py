@@ -65,6 +65,10 @@ class DemoSettings:
     # Completions are 2–3 tokens: probe more sequences than the default 2, but only a quarter of
     # the batch, so that the probe costs less than the backward work LoGRA saves.
     probe_samples: int = 8
+    # The probe's dual forward in bf16 (its products, as a bf16 training forward's; the KL math stays
+    # float64): about a third less probe time, prediction within a percent (docs/benchmarks.md).
+    # None: the weights' precision (fp32).
+    probe_dtype: str | None = "bfloat16"
     # LoGRA's realised-KL check: measure each update's KL on the probe contexts after the merge and
     # redo it with a rescaled α when it misses the budget by more than 10%.
     realised_kl_check: bool = False
@@ -460,6 +464,7 @@ def run_worker(spec: dict) -> dict:
             kl_budget=settings.kl_budget,
             update_ratio=settings.update_ratio,
             probe_samples=settings.probe_samples,
+            probe_dtype=None if settings.probe_dtype is None else getattr(torch, settings.probe_dtype),
             realised_kl_check=settings.realised_kl_check,
         )
     started = time.perf_counter()

@@ -43,3 +43,19 @@ class SavedTensors:
 
     def __exit__(self, *exc):
         self._hooks.__exit__(*exc)
+
+
+class MatmulDtypes(TorchDispatchMode):
+    """Records the dtype of every matrix product (``mm``, ``addmm``, ``bmm``) the dispatcher runs."""
+
+    PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm")
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes: set[torch.dtype] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func._schema.name in self.PRODUCTS:
+            self.dtypes.add(out.dtype)
+        return out
