@@ -16,7 +16,8 @@ Checks, each reported as ``pass``, ``FAIL`` or ``skipped`` (with why) in one tab
    inputs to bf16, nothing else may differ).
 3. **probe**: with the model's own attention kernel in the training forward (SDPA: flash or
    memory-efficient on CUDA), the JVP probe's predicted KL agrees with the finite-difference probe
-   within 5%, and neither touches the weights.
+   within 5% and the JVP probe with bf16 products (``probe_dtype``) with the fp32 one within 2%, and
+   none touches the weights.
 4. **memory**: ``torch.cuda.max_memory_allocated`` of one training step (2 × 1024 tokens) of dense
    AdamW, LoRA, APOLLO-Mini (if ``apollo-torch`` is installed) and LoGRA on a Qwen2.5-1.5B shape with
    random weights, 8 of its 28 layers, with and without gradient checkpointing, each in a fresh
@@ -153,14 +154,17 @@ def check_probe(device: str, quick: bool) -> dict:
     weights = [p.detach().clone() for p in model.parameters()]
     jvp, _, _ = jvp_predicted_kl(model, states, factors, contexts)
     fd, _, _ = finite_difference_predicted_kl(model, states, factors, contexts, epsilon=1e-2)
+    # The bf16 probe (probe_dtype): forward AD through bf16 autocast on the device.
+    bf16, _, _ = jvp_predicted_kl(model, states, factors, contexts, keep_base=False, compute_dtype=torch.bfloat16)
     untouched = all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
     gap = abs(float(jvp) - float(fd)) / max(abs(float(fd)), 1e-30)
-    status = "pass" if untouched and gap <= 0.05 and float(jvp) > 0 else "FAIL"
+    bf16_gap = abs(float(bf16) - float(jvp)) / max(abs(float(jvp)), 1e-30)
+    status = "pass" if untouched and gap <= 0.05 and bf16_gap <= 0.02 and float(jvp) > 0 else "FAIL"
     kernel = model.config._attn_implementation
     return {
         "status": status,
-        "detail": f"JVP {float(jvp):.3e} vs finite difference {float(fd):.3e} ({gap:.1%}); "
-        f"attention {kernel}; weights untouched: {untouched}",
+        "detail": f"JVP {float(jvp):.3e} vs finite difference {float(fd):.3e} ({gap:.1%}), bf16 products "
+        f"{float(bf16):.3e} ({bf16_gap:.1%}); attention {kernel}; weights untouched: {untouched}",
     }
 
 

@@ -109,13 +109,13 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             (``KL(θ ‖ θ+εD)/ε²``, two forwards, exact full-vocabulary KL).
         probe_samples: sequences of the latest training forward used as probe contexts, spread
             evenly over its batch (a batch grouped by prompt is not probed on one prompt alone).
-        probe_dtype: ``None`` (the probe computes in the weights' precision) or ``torch.bfloat16`` /
-            ``torch.float16``: the JVP probe's forward runs under autocast in that dtype, its matrix
-            products 16-bit like a mixed-precision training forward's (several times faster on
-            GPUs and on CPUs with bf16 units), the low-rank tangent term and the KL arithmetic in
-            fp32/float64. The tangent is computed directly, not as a difference of rounded logits,
-            so the prediction keeps its accuracy (docs/benchmarks.md measures it). JVP probe only,
-            without ``realised_kl_check``.
+        probe_dtype: ``None`` (the probe computes in the weights' precision) or ``torch.bfloat16``:
+            the JVP probe's forward runs under bf16 autocast, its matrix products 16-bit like a
+            mixed-precision training forward's (1.5–1.7× faster than fp32 on a CPU with bf16
+            units, measured; GPUs not yet measured); the low-rank tangent term is computed in fp32
+            and the KL arithmetic in float64. The tangent is computed directly, not as a
+            difference of rounded logits, so the prediction keeps its accuracy (docs/benchmarks.md
+            measures it). JVP probe only, without ``realised_kl_check``.
         temperature: sampling temperature ``T`` of the policy (for recorded contexts).
         probe_logits_fn: ``f(model, contexts) -> logits`` for models whose forward does not
             return logits directly (default: ``model(input_ids, attention_mask).logits``).

@@ -131,8 +131,11 @@ class KLOptions:
             raise ValueError(f"probe must be one of {PROBES}, got {self.probe!r}")
         _non_negative_int("probe_samples", self.probe_samples, minimum=1)
         if self.probe_dtype is not None:
-            if self.probe_dtype not in (torch.bfloat16, torch.float16):
-                raise ValueError(f"probe_dtype must be None, torch.bfloat16 or torch.float16, got {self.probe_dtype!r}")
+            if self.probe_dtype != torch.bfloat16:
+                raise ValueError(
+                    f"probe_dtype must be None or torch.bfloat16, got {self.probe_dtype!r} (fp16's range would "
+                    "flush the tangent of a realistic step, about 6e-5 of the activations, towards its subnormals)"
+                )
             if self.probe != "jvp":
                 raise ValueError(
                     f"probe_dtype={self.probe_dtype} needs probe='jvp': the finite-difference probe takes the "

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .probe import perturbed_linear
+from .probe import output_embedding, perturbed_linear
 from .projection import canonical_name
 from .sketch import SharedProjection, sketched_linear
 
@@ -66,6 +66,7 @@ class TargetState:
     # Set only while a KL probe runs: the proposed update is ``−probe_factor · A``.
     probe_factor: torch.Tensor | None = None
     probe_mode: str = "tangent"
+    probe_products: object | None = None  # low-precision products of the JVP probe (probe_dtype)
     # The dtype the latest probe forward computed this layer in (its input's): under FSDP2's
     # MixedPrecisionPolicy it is bf16 although the stored weight is fp32.
     probe_compute_dtype: torch.dtype | None = None
@@ -114,14 +115,6 @@ def _is_gpt2_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
 
 
-def _output_embedding(model: nn.Module) -> nn.Module | None:
-    getter = getattr(model, "get_output_embeddings", None)
-    try:
-        return getter() if callable(getter) else None
-    except (AttributeError, NotImplementedError):
-        return None
-
-
 def _matches(name: str, target_modules) -> bool:
     if target_modules is None:
         return name.rsplit(".", 1)[-1] in DEFAULT_TARGET_NAMES
@@ -149,13 +142,13 @@ def find_target_modules(
         target_modules = list(target_modules)
         if not target_modules or not all(isinstance(t, str) for t in target_modules):
             raise ValueError(f"target_modules must be None, a string or a list of names, got {target_modules!r}")
-    output_embedding = _output_embedding(model)
+    head = output_embedding(model)
     all_linear = target_modules == "all-linear"
     found, linears = [], []
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
             linears.append(name)
-            if module is output_embedding or name.rsplit(".", 1)[-1] == "lm_head":
+            if module is head or name.rsplit(".", 1)[-1] == "lm_head":
                 continue
             if all_linear or _matches(name, target_modules):
                 found.append((name, module))

@@ -10,6 +10,7 @@ the low-rank term ``−(x Aᵀ) Fᵀ`` (fp32 products), either as the *tangent* 
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -151,54 +152,95 @@ def perturbed_linear(module: nn.Linear, x: torch.Tensor, target) -> torch.Tensor
         y = F.linear(x, module.weight, module.bias)
         return y + low_rank_delta(x, target.shared_projection, target.probe_factor).to(y.dtype)
     primal_x, tangent_x = fwAD.unpack_dual(x)
-    y, tangent = _primal_and_tangent(primal_x, tangent_x, module.weight, module.bias)
+    y, tangent = _primal_and_tangent(primal_x, tangent_x, module.weight, module.bias, target.probe_products)
     delta = low_rank_delta(x, target.shared_projection, target.probe_factor).to(y.dtype)
     return fwAD.make_dual(y, delta if tangent is None else tangent + delta)
 
 
+class LowPrecisionProducts:
+    """The matrix products of a probe's linear layers in ``dtype`` (bf16): the input cast, the
+    weight copied into one reusable buffer per device, the product returned in the input's dtype.
+
+    Not autocast: autocast would cast every weight into a fresh temporary (a weight-sized allocation
+    per layer, which the allocator may keep) and would also run norms, attention and activations in
+    16 bits. Here only the products are 16-bit; everything else keeps the weights' precision, and
+    the extra memory is one 16-bit copy of the largest weight multiplied."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        self._buffers: dict[torch.device, torch.Tensor] = {}
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        buffer = self._buffers.get(weight.device)
+        if buffer is None or buffer.numel() < weight.numel():
+            buffer = torch.empty(weight.numel(), dtype=self.dtype, device=weight.device)
+            self._buffers[weight.device] = buffer
+        low = buffer[: weight.numel()].view(weight.shape).copy_(weight)
+        return F.linear(x.to(self.dtype), low).to(x.dtype)
+
+
 def _primal_and_tangent(
-    x: torch.Tensor, tangent_x: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    tangent_x: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    products: LowPrecisionProducts | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(x Wᵀ + b, ẋ Wᵀ)`` from one matrix product over ``[x; ẋ]``: with few probe tokens a
-    product is bound by reading ``W``, which this reads once instead of twice."""
+    product is bound by reading ``W``, which this reads once instead of twice. ``products``: compute
+    the product in low precision."""
+    stacked = x if tangent_x is None else torch.stack((x, tangent_x.to(x.dtype)))
+    both = F.linear(stacked, weight) if products is None else products.linear(stacked, weight)
     if tangent_x is None:
-        return F.linear(x, weight, bias), None
-    both = F.linear(torch.stack((x, tangent_x.to(x.dtype))), weight)
-    y = both[0] if bias is None else both[0] + bias.to(both.dtype)  # as F.linear's bias under autocast
-    return y, both[1]
+        return (both if bias is None else both + bias), None
+    return (both[0] if bias is None else both[0] + bias), both[1]
 
 
-def _linear_with_tangent(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def _linear_with_tangent(module: nn.Linear, x: torch.Tensor, products: LowPrecisionProducts | None = None):
     primal_x, tangent_x = fwAD.unpack_dual(x)
-    y, tangent = _primal_and_tangent(primal_x, tangent_x, module.weight, module.bias)
+    y, tangent = _primal_and_tangent(primal_x, tangent_x, module.weight, module.bias, products)
     return y if tangent is None else fwAD.make_dual(y, tangent)
 
 
 @contextlib.contextmanager
-def _frozen_linears_with_tangents(model: nn.Module) -> Iterator[None]:
+def _frozen_linears_with_tangents(model: nn.Module, products: LowPrecisionProducts | None = None) -> Iterator[None]:
     """Forward AD's rule for ``linear`` also multiplies by a materialised zero tangent of the weight
     on CPU (three GEMMs instead of two); for the frozen non-target linears (``lm_head`` above all),
     compute ``ẏ = ẋ Wᵀ`` directly. Modules that already carry an instance ``forward`` (accelerate
-    hooks, LoGRA targets) are left alone."""
+    hooks, LoGRA targets) are left alone. ``products`` serve every such linear except the output
+    embedding, whose 16-bit copy would be vocabulary-sized."""
     replaced = [m for m in model.modules() if type(m) is nn.Linear and "forward" not in m.__dict__]
+    head = output_embedding(model)
     try:
         for module in replaced:
-            module.forward = types.MethodType(_linear_with_tangent, module)
+            low = None if module is head else products
+            module.forward = types.MethodType(functools.partial(_linear_with_tangent, products=low), module)
         yield
     finally:
         for module in replaced:
             del module.forward
 
 
+def output_embedding(model: nn.Module) -> nn.Module | None:
+    """``model.get_output_embeddings()`` where the model has one (the LM head), else ``None``."""
+    getter = getattr(model, "get_output_embeddings", None)
+    try:
+        return getter() if callable(getter) else None
+    except (AttributeError, NotImplementedError):
+        return None
+
+
 @contextlib.contextmanager
-def _probe_targets(targets: Sequence, factors: Sequence[torch.Tensor], mode: str) -> Iterator[None]:
+def _probe_targets(
+    targets: Sequence, factors: Sequence[torch.Tensor], mode: str, products: LowPrecisionProducts | None = None
+) -> Iterator[None]:
     try:
         for target, factor in zip(targets, factors):
-            target.probe_factor, target.probe_mode = factor, mode
+            target.probe_factor, target.probe_mode, target.probe_products = factor, mode, products
         yield
     finally:
         for target in targets:
-            target.probe_factor = None
+            target.probe_factor = target.probe_products = None
 
 
 @contextlib.contextmanager
@@ -240,16 +282,6 @@ def inference_environment(model: nn.Module) -> Iterator[None]:
             config._attn_implementation = attention
         if wrapped_forward is not None:
             model.forward = wrapped_forward
-
-
-@contextlib.contextmanager
-def _autocast(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
-    """Autocast in ``dtype`` on every device type the model's parameters use (nothing for ``None``)."""
-    with contextlib.ExitStack() as stack:
-        if dtype is not None:
-            for device_type in _autocast_device_types(model):
-                stack.enter_context(torch.autocast(device_type, dtype=dtype))
-        yield
 
 
 def _autocast_device_types(model: nn.Module) -> list[str]:
@@ -355,16 +387,17 @@ def jvp_predicted_kl(
     ``positions × vocabulary`` logits, twice over, would otherwise set the probe's memory peak at
     large vocabularies.
 
-    ``compute_dtype`` (bf16/fp16): the forward runs under autocast in that dtype, so primal and
-    tangent products are 16-bit; the low-rank term ``−(x Aᵀ) Fᵀ`` stays fp32 and the KL terms
-    float64. ``None``: the weights' own precision, outside any autocast region."""
+    ``compute_dtype`` (bf16): the linear layers' primal and tangent products are 16-bit
+    (:class:`LowPrecisionProducts`; the output embedding's excepted), everything else keeps the
+    weights' precision, the low-rank term ``−(x Aᵀ) Fᵀ`` is fp32 and the KL terms float64.
+    ``None``: the weights' own precision throughout. Either way outside any autocast region."""
     split = _chunkable_head(model, contexts) if not keep_base and logits_fn is default_logits_fn else None
+    products = None if compute_dtype is None else LowPrecisionProducts(compute_dtype)
     with (
         inference_environment(model),
-        _autocast(model, compute_dtype),
         fwAD.dual_level(),
-        _probe_targets(targets, factors, "tangent"),
-        _frozen_linears_with_tangents(model),
+        _probe_targets(targets, factors, "tangent", products),
+        _frozen_linears_with_tangents(model, products),
     ):
         if split is not None:
             terms = _chunked_head_kl_terms(*split, contexts)

@@ -38,9 +38,8 @@ class SharedProjection:
     def __init__(self, projection: torch.Tensor):
         self.projection = projection
         self._casts: dict[torch.dtype, torch.Tensor] = {}
-        self._key: tuple | None = None
-        self._input: weakref.ref | None = None
-        self._projected: torch.Tensor | None = None
+        # (weak reference to x, (x's version, A's dtype, autocast dtype), x Aᵀ), replaced as one.
+        self._cached: tuple | None = None
 
     def as_dtype(self, dtype: torch.dtype) -> torch.Tensor:
         """``A`` in ``dtype`` (cast once per projection)."""
@@ -58,16 +57,23 @@ class SharedProjection:
         device = x.device.type
         autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         key = (x._version, projection.dtype, autocast)
-        if self._input is not None and self._input() is x and self._key == key:
-            return self._projected
+        cached = self._cached
+        if cached is not None and cached[0]() is x and cached[1] == key:
+            return cached[2]
         with torch.no_grad():
             primal = fwAD.unpack_dual(x).primal  # a forward-AD probe passes dual inputs
             projected = F.linear(primal if dtype is None else primal.to(dtype), projection)
-        self._input, self._key, self._projected = weakref.ref(x, self._forget), key, projected
+        self._cached = (weakref.ref(x, self._forget), key, projected)
         return projected
 
-    def _forget(self, _reference=None) -> None:
-        self._input = self._key = self._projected = None
+    @property
+    def holds_product(self) -> bool:
+        """Whether an ``x Aᵀ`` is cached (it is dropped when its input is freed)."""
+        return self._cached is not None
+
+    def _forget(self, reference: weakref.ref) -> None:
+        if self._cached is not None and self._cached[0] is reference:
+            self._cached = None
 
 
 class SketchedLinear(torch.autograd.Function):

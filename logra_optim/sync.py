@@ -222,23 +222,29 @@ def projection_of(payload: SyncPayload, target: TargetUpdate, device=None) -> to
 
 
 def projections_of(payload: SyncPayload, device=None) -> Callable[[TargetUpdate], torch.Tensor]:
-    """:func:`projection_of` drawing each distinct ``(seed, width)`` once: siblings that share ``A``
-    on the trainer (``share_projections``: q/k/v, gate/up) carry one seed, and the engine need not
-    draw their ``A`` three times."""
-    drawn: dict[tuple[int, int], torch.Tensor] = {}
+    """:func:`projection_of` that draws ``A`` once for consecutive targets with the same seed and
+    width: siblings that share ``A`` on the trainer (``share_projections``: q/k/v, gate/up) carry one
+    seed and come one after another in a payload. Only the latest ``A`` is kept, so memory stays at
+    one projection whatever the payload's length."""
+    latest: list = [None, None]  # (seed, width), A
 
     def projection(target: TargetUpdate) -> torch.Tensor:
         key = (target.seed, target.in_features)
-        if key not in drawn:
-            drawn[key] = projection_of(payload, target, device)
-        return drawn[key]
+        if latest[0] != key:
+            latest[:] = [key, projection_of(payload, target, device)]
+        return latest[1]
 
     return projection
 
 
 def rounding_seed(projection_seed: int, update_index: int) -> int:
     """Seed of the stochastic rounding of one target's merge in update ``update_index`` (1-based):
-    derived from what the payload carries, so that an engine can draw the trainer's noise."""
+    derived from what the payload carries, so that an engine can draw the trainer's noise.
+
+    Siblings sharing ``A`` share the projection seed and hence this one: where their shapes agree
+    (k/v, gate/up) their bf16 roundings use the same uniforms. Each rounding stays unbiased; their
+    errors are correlated, which matters only at second order (a bf16 ulp squared) and only for
+    bf16-stored trainer weights (fp32 masters round nothing)."""
     return (projection_seed * 0x9E3779B97F4A7C15 + update_index * 0xBF58476D1CE4E5B9) % _MAX_SEED
 
 

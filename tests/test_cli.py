@@ -5,8 +5,8 @@ actually saves for backward."""
 
 from __future__ import annotations
 
-import inspect
 import json
+import math
 import os
 import subprocess
 import sys
@@ -14,7 +14,6 @@ import sys
 import pytest
 import torch
 
-from logra_optim import LoGRAOptimizer
 from logra_optim.cli import main, tasks
 from logra_optim.cli import plan as plan_module
 from logra_optim.cli.runner import WorkerFailed, run_fresh
@@ -278,15 +277,12 @@ def test_quick_demo_learns_and_reports(tmp_path):
     assert runs["lora"]["trained_params"] < runs["adamw-targets"]["trained_params"] < runs["adamw"]["trained_params"]
     stats = runs["logra"]["logra_stats"]
     assert len(stats["logra/alpha"]) == 60, "LoGRA's stats reach the training logs"
-    budget = summary["settings"]["kl_budget"]
-    alpha_max = inspect.signature(LoGRAOptimizer).parameters["alpha_max"].default  # the demo keeps it
-    for alpha, q, step_kl in zip(stats["logra/alpha"], stats["logra/predicted_kl"], stats["logra/predicted_step_kl"]):
-        if q == 0.0:  # every advantage zero: nothing to move
-            assert alpha == 1.0 and step_kl == 0.0
-        elif alpha < alpha_max:
-            assert step_kl == pytest.approx(budget, rel=1e-9)
-        else:
-            assert step_kl <= budget
+    # The probe ran on every update and measured a step wherever GRPO had a signal (an update whose
+    # advantages are all zero has a zero sketch and a zero prediction).
+    predictions = stats["logra/predicted_kl"]
+    assert all(math.isfinite(q) and q >= 0.0 for q in predictions)
+    assert sum(q > 0.0 for q in predictions) >= len(predictions) // 2
+    assert all(tokens > 0 for tokens in stats["logra/probe_tokens"])
     for image in ("reward.png", "memory.png"):
         assert (tmp_path / image).read_bytes()[:8] == PNG_MAGIC
 

@@ -192,7 +192,8 @@ def test_bf16_engine_copy_follows_200_real_updates_of_fp32_masters():
             return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(1e-30))) - 8)
 
         # The compensation's own roundings scale with the values the weight passed through, not with
-        # where it ended: a weight that crossed zero ends far below them, hence the larger of both ends.
+        # where it ended: a weight that crossed zero ends far below them. The larger of both ends
+        # stands in for the path (200 updates of ~6e-5 of the weight barely overshoot either end).
         compensation_error = half_ulp_of(torch.maximum(reference.abs(), start.abs())) / 4
         engine = copies["engine"][name].float()
         kept = engine + copies["compensation"][name].float()  # what the engine knows

@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from logra_optim import LoGRAOptimizer, patch_model
+from tests.helpers.recorders import OutputShapes
 from logra_optim.probe import contexts_from_batch, finite_difference_predicted_kl, jvp_predicted_kl, spread_rows
 from tests.helpers.tiny import fixed_batch, tiny_qwen2
 
@@ -230,11 +231,17 @@ def test_probe_computes_x_projection_once_for_siblings_with_the_same_result(fitt
     assert len({id(t.shared_projection) for t in targets}) == 4 * model.config.num_hidden_layers
     factors = [t.sketch * 1e-1 for t in targets]
     contexts = opt.kl_control.contexts()
-    shared = jvp_predicted_kl(model, targets, factors, contexts, keep_base=True)
+    with OutputShapes() as shared_run:
+        shared = jvp_predicted_kl(model, targets, factors, contexts, keep_base=True)
     originals = [t.shared_projection for t in targets]
     for t in targets:
         t.set_projection(SharedProjection(t.projection.clone()))
-    separate = jvp_predicted_kl(model, targets, factors, contexts, keep_base=True)
+    with OutputShapes() as separate_run:
+        separate = jvp_predicted_kl(model, targets, factors, contexts, keep_base=True)
+    products = tuple(contexts.input_ids.shape) + (8,)  # x Aᵀ: (sequences, positions, r)
+    layers = model.config.num_hidden_layers
+    assert shared_run.shapes.count(products) == 4 * layers  # one per shared input…
+    assert separate_run.shapes.count(products) == 7 * layers  # …where separate A's need one per target
     for t, original in zip(targets, originals):
         t.set_projection(original)
     torch.testing.assert_close(shared[0], separate[0], rtol=1e-6, atol=0)

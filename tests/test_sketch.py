@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 
 import pytest
@@ -247,6 +248,29 @@ def test_no_target_input_is_saved_in_a_training_forward_of_qwen2():
     found = target_inputs_and_saved(patched)
     assert len(found) == 14 and not any(found)
     assert all(m.weight.grad is None for m in patched.modules() if hasattr(m, "_logra"))
+
+
+def test_shared_projection_reuses_a_product_only_for_the_same_unchanged_input():
+    """``x Aᵀ`` is reused for the same tensor while it is unchanged and computed in the same dtype;
+    an in-place change, another autocast state or another tensor recomputes it, and it is dropped
+    when its input is freed."""
+    generator = torch.Generator().manual_seed(0)
+    a = make_projection(3, 4, 12)
+    shared = SharedProjection(a)
+    x = torch.randn(5, 12, generator=generator)
+    first = shared.project(x)
+    assert shared.project(x) is first and torch.equal(first, x @ a.t())
+    assert shared.project(x.clone()) is not first  # equal values, another tensor
+    x.mul_(2.0)  # in place: the version changes
+    assert torch.equal(shared.project(x), x @ a.t())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert shared.project(x).dtype == torch.bfloat16
+    assert shared.project(x).dtype == torch.float32
+    assert shared.project(x, torch.float64).dtype == torch.float64  # the probe's fp32/float64 request
+    assert shared.holds_product
+    del x
+    gc.collect()
+    assert not shared.holds_product  # nothing kept past the input's lifetime
 
 
 @pytest.mark.parametrize("share", [True, False])

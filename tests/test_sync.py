@@ -100,10 +100,13 @@ def test_projections_of_draw_a_shared_seed_once():
     payload = _payload()
     projection = projections_of(payload)
     first, second = payload.updates[1].targets[0], payload.updates[0].targets[0]
-    shared = dataclasses.replace(second, seed=first.seed)
-    assert projection(first) is projection(shared)
-    assert torch.equal(projection(first), projection_of(payload, first))
-    assert projection(second) is not projection(first)
+    sibling = dataclasses.replace(second, seed=first.seed)
+    drawn = projection(first)
+    assert projection(sibling) is drawn  # the next target with the same seed: not drawn again
+    assert torch.equal(drawn, projection_of(payload, first))
+    assert not torch.equal(projection(second), drawn)
+    again = projection(first)  # only the latest A is kept: a later repeat is drawn anew, identically
+    assert again is not drawn and torch.equal(again, drawn)
 
 
 @pytest.mark.parametrize(

@@ -124,7 +124,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--probe-dtype",
-        choices=["bfloat16", "float16"],
+        choices=["bfloat16"],
         default=None,
         help="with --kl-budget: the JVP probe's products in this dtype (default: the weights' precision)",
     )
