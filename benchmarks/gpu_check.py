@@ -154,7 +154,7 @@ def check_probe(device: str, quick: bool) -> dict:
     weights = [p.detach().clone() for p in model.parameters()]
     jvp, _, _ = jvp_predicted_kl(model, states, factors, contexts)
     fd, _, _ = finite_difference_predicted_kl(model, states, factors, contexts, epsilon=1e-2)
-    # The bf16 probe (probe_dtype): forward AD through bf16 autocast on the device.
+    # The bf16 probe (probe_dtype): bf16 products of dual tensors on the device.
     bf16, _, _ = jvp_predicted_kl(model, states, factors, contexts, keep_base=False, compute_dtype=torch.bfloat16)
     untouched = all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
     gap = abs(float(jvp) - float(fd)) / max(abs(float(fd)), 1e-30)

@@ -110,10 +110,11 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         probe_samples: sequences of the latest training forward used as probe contexts, spread
             evenly over its batch (a batch grouped by prompt is not probed on one prompt alone).
         probe_dtype: ``None`` (the probe computes in the weights' precision) or ``torch.bfloat16``:
-            the JVP probe's forward runs under bf16 autocast, its matrix products 16-bit like a
-            mixed-precision training forward's (1.5–1.7× faster than fp32 on a CPU with bf16
-            units, measured; GPUs not yet measured); the low-rank tangent term is computed in fp32
-            and the KL arithmetic in float64. The tangent is computed directly, not as a
+            the matrix products of the JVP probe's linear layers are bf16 (through one reusable
+            bf16 copy of the weight being multiplied; the LM head cast once per probe), everything else keeps
+            the weights' precision, the low-rank tangent term is fp32 and the KL arithmetic
+            float64. Faster where bf16 products are (about 1.5× on a CPU with bf16 units,
+            measured; GPUs not yet measured). The tangent is computed directly, not as a
             difference of rounded logits, so the prediction keeps its accuracy (docs/benchmarks.md
             measures it). JVP probe only, without ``realised_kl_check``.
         temperature: sampling temperature ``T`` of the policy (for recorded contexts).

@@ -170,12 +170,17 @@ class LowPrecisionProducts:
         self.dtype = dtype
         self._buffers: dict[torch.device, torch.Tensor] = {}
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def cast(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` in the low dtype, in the reusable buffer: valid until the next cast."""
         buffer = self._buffers.get(weight.device)
         if buffer is None or buffer.numel() < weight.numel():
             buffer = torch.empty(weight.numel(), dtype=self.dtype, device=weight.device)
             self._buffers[weight.device] = buffer
-        low = buffer[: weight.numel()].view(weight.shape).copy_(weight)
+        return buffer[: weight.numel()].view(weight.shape).copy_(weight)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, low: torch.Tensor | None = None) -> torch.Tensor:
+        """``x Wᵀ`` with a 16-bit product (``low``: ``W`` already cast), returned in ``x``'s dtype."""
+        low = self.cast(weight) if low is None else low
         return F.linear(x.to(self.dtype), low).to(x.dtype)
 
 
@@ -354,8 +359,12 @@ def _chunkable_head(model: nn.Module, contexts: ProbeContexts) -> tuple[nn.Modul
     return split if _HEAD_REPRODUCES_LOGITS[model] else None
 
 
-def _chunked_head_kl_terms(decoder, head: nn.Linear, contexts: ProbeContexts) -> torch.Tensor:
-    """Per-position ``q_s`` with the LM head applied ``HEAD_CHUNK_POSITIONS`` positions at a time."""
+def _chunked_head_kl_terms(
+    decoder, head: nn.Linear, contexts: ProbeContexts, products: LowPrecisionProducts | None = None
+) -> torch.Tensor:
+    """Per-position ``q_s`` with the LM head applied ``HEAD_CHUNK_POSITIONS`` positions at a time
+    (with ``products``, in 16 bits: the head cast once, for all chunks; the only vocabulary-sized
+    16-bit copy the probe makes, and only for the probe's duration)."""
     output = decoder(input_ids=contexts.input_ids, attention_mask=contexts.attention_mask, use_cache=False)
     hidden = output if isinstance(output, torch.Tensor) else output[0]
     primal, tangent = fwAD.unpack_dual(hidden)
@@ -363,10 +372,19 @@ def _chunked_head_kl_terms(decoder, head: nn.Linear, contexts: ProbeContexts) ->
         raise RuntimeError("KL probe: the hidden states carry no tangent; no patched target was on the path to them")
     primal, tangent = primal[contexts.probe_mask], tangent[contexts.probe_mask]
     terms = [torch.zeros(0, dtype=torch.float64, device=primal.device)]
+    low = None if products is None else products.cast(head.weight)
     for start in range(0, primal.shape[0], HEAD_CHUNK_POSITIONS):
         rows = slice(start, start + HEAD_CHUNK_POSITIONS)
-        logits = F.linear(primal[rows], head.weight, head.bias)
-        terms.append(fisher_kl_terms(logits, F.linear(tangent[rows], head.weight), contexts.temperature))
+        if products is None:
+            logits, tangent_logits = (
+                F.linear(primal[rows], head.weight, head.bias),
+                F.linear(tangent[rows], head.weight),
+            )
+        else:
+            both = products.linear(torch.stack((primal[rows], tangent[rows])), head.weight, low)
+            logits = both[0] if head.bias is None else both[0] + head.bias
+            tangent_logits = both[1]
+        terms.append(fisher_kl_terms(logits, tangent_logits, contexts.temperature))
     return torch.cat(terms)
 
 
@@ -400,7 +418,7 @@ def jvp_predicted_kl(
         _frozen_linears_with_tangents(model, products),
     ):
         if split is not None:
-            terms = _chunked_head_kl_terms(*split, contexts)
+            terms = _chunked_head_kl_terms(*split, contexts, products)
             return terms.sum(), terms.numel(), None
         logits = logits_fn(model, contexts)
         primal, tangent = fwAD.unpack_dual(logits)
