@@ -46,6 +46,7 @@ from logra_optim import LoGRAOptimizer, make_projection, patch_model, projection
 from logra_optim.cli import bench
 from logra_optim.cli.measure import GIB, resolve_device
 from logra_optim.cli.runner import WorkerFailed, run_fresh
+from logra_optim.cli.shapes import PRESETS
 from logra_optim.probe import finite_difference_predicted_kl, jvp_predicted_kl
 from logra_optim.sketch import SharedProjection, sketched_linear
 
@@ -62,19 +63,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def tiny_model(device: str, attention: str = "sdpa"):
-    """A Qwen2 from a config: 2 layers, hidden 128, random weights, on ``device``."""
+    """``logra bench``'s tiny preset (a 2-layer Qwen2, random weights) on ``device``."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        attn_implementation=attention,
-    )
+    config = Qwen2Config(**PRESETS["tiny"], max_position_embeddings=128, attn_implementation=attention)
     torch.manual_seed(0)
     return Qwen2ForCausalLM(config).to(device).train()
 

@@ -113,7 +113,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             the matrix products of the JVP probe's linear layers are bf16 (through one reusable
             bf16 copy of the weight being multiplied; the LM head cast once per probe), everything else keeps
             the weights' precision, the low-rank tangent term is fp32 and the KL arithmetic
-            float64. Faster where bf16 products are (about 1.5× on a CPU with bf16 units,
+            float64. Faster where bf16 products are (1.6–2.2× on a CPU with bf16 units,
             measured; GPUs not yet measured). The tangent is computed directly, not as a
             difference of rounded logits, so the prediction keeps its accuracy (docs/benchmarks.md
             measures it). JVP probe only, without ``realised_kl_check``.

@@ -159,7 +159,9 @@ def perturbed_linear(module: nn.Linear, x: torch.Tensor, target) -> torch.Tensor
 
 class LowPrecisionProducts:
     """The matrix products of a probe's linear layers in ``dtype`` (bf16): the input cast, the
-    weight copied into one reusable buffer per device, the product returned in the input's dtype.
+    weight copied into one reusable buffer per device (and not copied again while the buffer
+    still holds it: the LM head over successive chunks of positions), the product returned in the
+    input's dtype.
 
     Not autocast: autocast would cast every weight into a fresh temporary (a weight-sized allocation
     per layer, which the allocator may keep) and would also run norms, attention and activations in
@@ -169,19 +171,23 @@ class LowPrecisionProducts:
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
         self._buffers: dict[torch.device, torch.Tensor] = {}
+        self._held: dict[torch.device, tuple] = {}  # (weight, its version, its 16-bit copy)
 
-    def cast(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight`` in the low dtype, in the reusable buffer: valid until the next cast."""
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``x Wᵀ`` with a 16-bit product, returned in ``x``'s dtype."""
+        return F.linear(x.to(self.dtype), self._cast(weight)).to(x.dtype)
+
+    def _cast(self, weight: torch.Tensor) -> torch.Tensor:
+        held = self._held.get(weight.device)
+        if held is not None and held[0] is weight and held[1] == weight._version:
+            return held[2]
         buffer = self._buffers.get(weight.device)
         if buffer is None or buffer.numel() < weight.numel():
             buffer = torch.empty(weight.numel(), dtype=self.dtype, device=weight.device)
             self._buffers[weight.device] = buffer
-        return buffer[: weight.numel()].view(weight.shape).copy_(weight)
-
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, low: torch.Tensor | None = None) -> torch.Tensor:
-        """``x Wᵀ`` with a 16-bit product (``low``: ``W`` already cast), returned in ``x``'s dtype."""
-        low = self.cast(weight) if low is None else low
-        return F.linear(x.to(self.dtype), low).to(x.dtype)
+        low = buffer[: weight.numel()].view(weight.shape).copy_(weight)
+        self._held[weight.device] = (weight, weight._version, low)
+        return low
 
 
 def _primal_and_tangent(
@@ -372,18 +378,9 @@ def _chunked_head_kl_terms(
         raise RuntimeError("KL probe: the hidden states carry no tangent; no patched target was on the path to them")
     primal, tangent = primal[contexts.probe_mask], tangent[contexts.probe_mask]
     terms = [torch.zeros(0, dtype=torch.float64, device=primal.device)]
-    low = None if products is None else products.cast(head.weight)
     for start in range(0, primal.shape[0], HEAD_CHUNK_POSITIONS):
         rows = slice(start, start + HEAD_CHUNK_POSITIONS)
-        if products is None:
-            logits, tangent_logits = (
-                F.linear(primal[rows], head.weight, head.bias),
-                F.linear(tangent[rows], head.weight),
-            )
-        else:
-            both = products.linear(torch.stack((primal[rows], tangent[rows])), head.weight, low)
-            logits = both[0] if head.bias is None else both[0] + head.bias
-            tangent_logits = both[1]
+        logits, tangent_logits = _primal_and_tangent(primal[rows], tangent[rows], head.weight, head.bias, products)
         terms.append(fisher_kl_terms(logits, tangent_logits, contexts.temperature))
     return torch.cat(terms)
 
