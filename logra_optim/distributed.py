@@ -417,8 +417,8 @@ def check_fingerprints(
         other = everyone[rank]
         if other[0] != reference[0]:
             detail = (
-                f"settings (seed, projection index, rank, kind, refresh, shared, targets) {reference[0]} on rank 0 vs "
-                f"{other[0]} on rank {rank}"
+                "settings (seed, projection index, rank, kind, refresh, refresh_every, shared, targets) "
+                f"{reference[0]} on rank 0 vs {other[0]} on rank {rank}"
             )
             break
         if other[1] != reference[1]:

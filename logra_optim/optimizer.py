@@ -39,7 +39,7 @@ from .projection import make_projection, projection_key, projection_seed
 from .sketch import SharedProjection, SketchBank
 from .sync import TargetUpdate, Update, rounding_seed
 from .target import Target
-from .updates import low_rank_sq_norm, next_direction, step_sizes
+from .updates import basis_change, carry_first_moment, low_rank_sq_norm, next_direction, step_sizes
 
 
 @dataclass
@@ -91,12 +91,20 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         lr: plain learning-rate mode instead: ``W ← W − lr · α · U A``, no normalisation.
         seed: base seed of the projections.
         projection: ``"rademacher"`` (±1/√r) or ``"gaussian"`` (N(0, 1/r)).
-        refresh: draw a new ``A`` after every applied update (default) or keep a fixed basis.
+        refresh: draw new projections during training (default) or keep a fixed basis.
+        refresh_every: with ``refresh``, draw a new ``A`` every this many applied updates (default 1:
+            after every update, as in the paper). Between draws the updates share one basis, in which
+            the first moment is exact.
         share_projections: one ``A`` for the siblings that read the same input (``q/k/v_proj``,
             ``gate/up_proj``; :data:`~logra_optim.projection.SHARED_INPUT_SIBLINGS`), so that ``x Aᵀ``
             is computed and saved once for them (default); each keeps its own unbiased sketch.
             ``False``: one ``A`` per target, as in the paper.
         alpha_max: upper bound on the step scale α chosen by KL control.
+        beta1: decay of a first moment kept in sketch space (``d×r`` per target, like the sketch);
+            0 (default) builds each direction from the latest sketch alone. When ``A`` is redrawn the
+            moment is carried into the new basis by least squares
+            (:func:`~logra_optim.updates.basis_change`), which keeps little of it for an independent
+            draw: use it with ``refresh_every > 1``.
         beta2, eps: RowAdam's second-moment decay and relative ε.
         wire_dtype: round ``F = α η U`` to this dtype before merging (default bf16, as the authors
             do), so the trainer merges exactly the factor a rollout engine is sent; ``None`` keeps fp32.
@@ -152,8 +160,10 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         seed: int = 0,
         projection: str = "rademacher",
         refresh: bool = True,
+        refresh_every: int = 1,
         share_projections: bool = True,
         alpha_max: float = 3.0,
+        beta1: float = 0.0,
         beta2: float = 0.95,
         eps: float = 1e-8,
         wire_dtype: torch.dtype | None = torch.bfloat16,
@@ -177,13 +187,14 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 f"not {type(model).__name__}"
             )
         defaults = param_group_defaults(
-            direction_option(direction, optimizer), update_ratio, lr, beta2, eps, ratio_scope
+            direction_option(direction, optimizer), update_ratio, lr, beta2, eps, ratio_scope, beta1
         )
         options = StepOptions(
             rank=rank,
             seed=int(seed),
             projection=projection,
             refresh=bool(refresh),
+            refresh_every=refresh_every,
             share_projections=bool(share_projections),
             wire_dtype=wire_dtype,
             stochastic_rounding=bool(stochastic_rounding),
@@ -276,13 +287,15 @@ class LoGRAOptimizer(torch.optim.Optimizer):
     rank = property(lambda self: self.options.rank, doc="The sketch rank ``r``.")
     seed = property(lambda self: self.options.seed, doc="The base seed of the projections.")
     projection = property(lambda self: self.options.projection, doc="The projection kind.")
-    refresh = property(lambda self: self.options.refresh, doc="Whether ``A`` is redrawn after every update.")
+    refresh = property(lambda self: self.options.refresh, doc="Whether ``A`` is redrawn during training.")
+    refresh_every = property(lambda self: self.options.refresh_every, doc="Applied updates per draw of ``A``.")
     mismatch = property(lambda self: self.kl_control.mismatch, doc="The rollout/trainer mismatch ``κ``.")
 
     @property
     def projection_index(self) -> int:
-        """Index the current ``A`` is drawn with: update u (1-based) uses u−1; 0 for a fixed basis."""
-        return self.update_index if self.refresh else 0
+        """Index the current ``A`` is drawn with: update u (1-based) uses ``(u−1) // refresh_every``;
+        0 for a fixed basis."""
+        return self.update_index // self.refresh_every if self.refresh else 0
 
     def projection_seed(self, index: int, update_index: int | None = None) -> int:
         """Seed of target ``index``'s current projection ``A`` (what a rollout engine regenerates it
@@ -396,11 +409,27 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         update = self._merged_update() if self._merge_hooks else None
         for weight in self._weights:
             weight.forget_merge()
+        previous_index = self.projection_index
         self.update_index += 1
-        if self.refresh:
+        if self.projection_index != previous_index:
+            old = [t.state.projection for t in self._targets]
             self._regenerate_projections()
+            self._carry_first_moments(old)
         self._bank.zero_()
         return update
+
+    def _carry_first_moments(self, old_projections: list[torch.Tensor]) -> None:
+        """Express every first moment in the basis just drawn (one ``T`` per shared projection)."""
+        transfers = {}
+        for target, old in zip(self._targets, old_projections):
+            state = self.state.get(target.weight, {})
+            if "first_moment" not in state:
+                continue
+            new = target.state.projection
+            key = (id(old), id(new))
+            if key not in transfers:
+                transfers[key] = basis_change(old, new)
+            state["first_moment"] = carry_first_moment(state["first_moment"], transfers[key])
 
     def _refuse_loss_scaling(self) -> None:
         if not hasattr(self, "found_inf"):  # set by GradScaler.step for the duration of the call
@@ -419,7 +448,12 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         steps = []
         for index, target in enumerate(self._targets):
             direction, state = next_direction(
-                group["direction"], target.state.sketch, self.state.get(target.weight, {}), group["beta2"], group["eps"]
+                group["direction"],
+                target.state.sketch,
+                self.state.get(target.weight, {}),
+                group["beta2"],
+                group["eps"],
+                group["beta1"],
             )
             steps.append(TargetStep(index, direction, state, eta=group["lr"]))
         if group["lr_mode"] == "update_ratio":
@@ -551,6 +585,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             self.rank,
             self.projection,
             self.refresh,
+            self.refresh_every,
             self.options.share_projections,
             len(self._targets),
         )
@@ -593,19 +628,22 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         which load into a template (``torch.distributed.checkpoint``) find all of them.
         """
         state = super().state_dict()
-        rowadam = self.param_groups[0]["direction"] == "rowadam"
+        group = self.param_groups[0]
         for index, target in enumerate(self._targets):
             if index not in state["state"]:
+                sketch = target.state.sketch
                 state["state"][index] = {"step": torch.tensor(0.0)}
-                if rowadam:
-                    sketch = target.state.sketch
+                if group["direction"] == "rowadam":
                     state["state"][index]["row_second_moment"] = torch.zeros(sketch.shape[0], device=sketch.device)
+                if group["beta1"] > 0.0:
+                    state["state"][index]["first_moment"] = torch.zeros_like(sketch)
         state["logra"] = {
             "update_index": self.update_index,
             "seed": self.seed,
             "rank": self.rank,
             "projection": self.projection,
             "refresh": self.refresh,
+            "refresh_every": self.refresh_every,
             "share_projections": self.options.share_projections,
             "mismatch": self.mismatch,
             "nonfinite_skips": self.nonfinite_skips,
@@ -629,12 +667,12 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             raise ValueError("state_dict and optimizer disagree on whether a non_target_optimizer is used")
         state_dict["param_groups"] = [upgrade_param_group(g) for g in state_dict["param_groups"]]
         super().load_state_dict(state_dict)
-        # torch casts floating state to the parameter's dtype; the row moments stay fp32.
+        # torch casts floating state to the parameter's dtype; the moments stay fp32, like the sketches.
         for index, target in enumerate(self._targets):
             saved = state_dict["state"].get(index, {})
-            if "row_second_moment" in saved:
-                moment = saved["row_second_moment"].to(target.weight.device, torch.float32)
-                self.state[target.weight]["row_second_moment"] = moment
+            for key in ("row_second_moment", "first_moment"):
+                if key in saved:
+                    self.state[target.weight][key] = saved[key].to(target.weight.device, torch.float32)
         if non_target is not None:
             self.non_target_optimizer.load_state_dict(non_target)
         self.options = replace(
@@ -642,6 +680,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             seed=int(logra["seed"]),
             projection=str(logra["projection"]),
             refresh=bool(logra["refresh"]),
+            refresh_every=int(logra.get("refresh_every", 1)),
             # A checkpoint from before shared projections drew one A per target.
             share_projections=bool(logra.get("share_projections", False)),
         )

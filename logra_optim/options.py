@@ -52,6 +52,7 @@ def param_group_defaults(
     beta2: float,
     eps: float,
     ratio_scope: str = "target",
+    beta1: float = 0.0,
 ) -> dict[str, Any]:
     """The target group's settings, which live in ``param_groups[0]`` (where LR schedulers and
     ``load_state_dict`` change them), validated: ``lr_mode`` is ``"update_ratio"`` (``lr`` is the
@@ -66,15 +67,17 @@ def param_group_defaults(
     else:
         step_size = positive("update_ratio", DEFAULT_UPDATE_RATIO if update_ratio is None else update_ratio)
         lr_mode = "update_ratio"
-    if not 0.0 <= beta2 < 1.0:
-        raise ValueError(f"beta2 must be in [0, 1), got {beta2!r}")
+    for name, beta in (("beta1", beta1), ("beta2", beta2)):
+        if not isinstance(beta, numbers.Real) or isinstance(beta, bool) or not 0.0 <= beta < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {beta!r}")
     if ratio_scope not in RATIO_SCOPES:
         raise ValueError(f"ratio_scope must be one of {RATIO_SCOPES}, got {ratio_scope!r}")
     return dict(
         lr=step_size,
         lr_mode=lr_mode,
         direction=direction,
-        beta2=beta2,
+        beta1=float(beta1),
+        beta2=float(beta2),
         eps=positive("eps", eps),
         ratio_scope=ratio_scope,
     )
@@ -89,12 +92,14 @@ class StepOptions:
     seed: int = 0
     projection: str = "rademacher"
     refresh: bool = True
+    refresh_every: int = 1
     share_projections: bool = True
     wire_dtype: torch.dtype | None = torch.bfloat16
     stochastic_rounding: bool = True
 
     def __post_init__(self) -> None:
         _non_negative_int("rank", self.rank, minimum=1)
+        _non_negative_int("refresh_every", self.refresh_every, minimum=1)
         if self.projection not in PROJECTIONS:
             raise ValueError(f"projection must be one of {PROJECTIONS}, got {self.projection!r}")
         if self.wire_dtype is not None and not (
@@ -231,9 +236,12 @@ def direction_option(direction: str | None, optimizer: str | None) -> str:
 
 def upgrade_param_group(group: dict) -> dict:
     """A param group saved by an older version, with today's keys: ``optimizer`` was renamed
-    ``direction``, and a group without ``ratio_scope`` used one step size for all targets."""
+    ``direction``, a group without ``ratio_scope`` used one step size for all targets, and one
+    without ``beta1`` had no first moment."""
     if "optimizer" in group and "direction" not in group:
         group = {("direction" if key == "optimizer" else key): value for key, value in group.items()}
     if "ratio_scope" not in group:
         group = {**group, "ratio_scope": "model"}
+    if "beta1" not in group:
+        group = {**group, "beta1": 0.0}
     return group

@@ -23,20 +23,22 @@ def rowadam_direction(
     step: int,
     beta2: float = 0.95,
     eps: float = 1e-8,
+    numerator: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RowAdam: one second moment per output row, no first moment. Returns ``(U, v_new)``.
+    """RowAdam: one second moment per output row. Returns ``(U, v_new)``.
 
     ::
 
         v_i   ← β2 v_i + (1−β2) · mean_j S_ij²
         ρ_i   = sqrt(v_i / (1 − β2^t))
         den_i = ρ_i + ε · mean_i ρ_i          # relative ε: scale-free, unlike Adam's absolute ε
-        U     = diag(1/den) S · ‖S‖_F / ‖diag(1/den) S‖_F
+        U     = diag(1/den) N · ‖N‖_F / ‖diag(1/den) N‖_F
 
-    The moment is indexed by output rows (neurons), not sketch columns, so it stays meaningful when
-    ``A`` is refreshed. The final rescale only redistributes magnitude across rows; the step size
-    comes from ``η``. ``row_second_moment`` is not modified, so a step that is rejected later leaves
-    the state untouched.
+    ``N`` is ``numerator`` (the bias-corrected first moment, :func:`first_moment`) or, by default,
+    the sketch itself. The moment is indexed by output rows (neurons), not sketch columns, so it
+    stays meaningful when ``A`` is refreshed. The final rescale only redistributes magnitude across
+    rows; the step size comes from ``η``. ``row_second_moment`` is not modified, so a step that is
+    rejected later leaves the state untouched.
     """
     if step < 1:
         raise ValueError(f"step must be >= 1, got {step}")
@@ -48,28 +50,91 @@ def rowadam_direction(
     denominator = rms + eps * rms.mean()
     # A row whose moment is still zero has had a zero sketch at every step: keep its direction 0.
     denominator = denominator.masked_fill(denominator == 0, 1.0)
-    direction = sketch / denominator.unsqueeze(1)
+    numerator = sketch if numerator is None else numerator
+    direction = numerator / denominator.unsqueeze(1)
     direction_norm = torch.linalg.vector_norm(direction)
-    sketch_norm = torch.linalg.vector_norm(sketch)
-    scale = torch.where(direction_norm > 0, sketch_norm / direction_norm, torch.zeros_like(sketch_norm))
+    numerator_norm = torch.linalg.vector_norm(numerator)
+    scale = torch.where(direction_norm > 0, numerator_norm / direction_norm, torch.zeros_like(numerator_norm))
     return direction * scale, v_new
 
 
+def first_moment(
+    sketch: torch.Tensor, moment: torch.Tensor, step: int, beta1: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Momentum in sketch space: ``M ← β1 M + (1−β1) S``. Returns ``(M̂, M_new)`` with the
+    bias-corrected ``M̂ = M_new / (1 − β1^t)``.
+
+    Why: a GRPO batch's gradient is mostly noise (a few dozen completions), and a KL-controlled step
+    spends its whole budget on whatever direction it is given. Averaging over updates keeps what the
+    batches agree on, as Adam's first moment does. While ``A`` is fixed, ``M A`` is exactly the
+    momentum of the projected gradients ``G AᵀA``; when ``A`` is redrawn, :func:`carry_first_moment`
+    moves ``M`` into the new basis. ``moment`` is not modified.
+    """
+    if step < 1:
+        raise ValueError(f"step must be >= 1, got {step}")
+    if not 0.0 <= beta1 < 1.0:
+        raise ValueError(f"beta1 must be in [0, 1), got {beta1!r}")
+    moment_new = moment * beta1 + sketch * (1.0 - beta1)
+    return moment_new / (1.0 - beta1**step), moment_new
+
+
+def basis_change(old_projection: torch.Tensor, new_projection: torch.Tensor) -> torch.Tensor:
+    """The ``r×r`` matrix ``T`` that carries a low-rank factor from ``A_old`` to ``A_new``:
+    ``(M T) A_new`` is the orthogonal projection of ``M A_old`` onto the row space of ``A_new``,
+    the closest matrix to ``M A_old`` that the new basis can express (least squares, row by row).
+
+    ``T = A_old A_newᵀ (A_new A_newᵀ)⁻¹``, computed as ``A_old · pinv(A_new)`` in float64 (``A_new``
+    may be rank-deficient, e.g. a square Rademacher draw). For ``A_new = A_old`` it is the identity.
+
+    Why a projection and not Flora's ``A_old A_newᵀ``: the latter is unbiased over draws of ``A_new``
+    but, for independent draws, multiplies the factor's norm by about ``sqrt(k/r)`` with noise
+    orthogonal to the old momentum, and a KL-normalised step would spend its budget on that noise.
+    The projection keeps only what the new basis can represent (≈ ``r/k`` of the energy for an
+    independent draw): momentum mostly restarts at a refresh, which is why it pairs with
+    ``refresh_every > 1``.
+    """
+    if old_projection.shape != new_projection.shape:
+        raise ValueError(
+            f"projections must have one shape (r×k): old {tuple(old_projection.shape)}, "
+            f"new {tuple(new_projection.shape)}"
+        )
+    transfer = old_projection.double() @ torch.linalg.pinv(new_projection.double())
+    return transfer.to(torch.float32)
+
+
+def carry_first_moment(moment: torch.Tensor, transfer: torch.Tensor) -> torch.Tensor:
+    """``M T``: the first moment expressed in the new basis (:func:`basis_change`); a new tensor."""
+    return moment @ transfer.to(moment.dtype)
+
+
 def next_direction(
-    kind: str, sketch: torch.Tensor, state: dict[str, torch.Tensor], beta2: float = 0.95, eps: float = 1e-8
+    kind: str,
+    sketch: torch.Tensor,
+    state: dict[str, torch.Tensor],
+    beta2: float = 0.95,
+    eps: float = 1e-8,
+    beta1: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``U`` of one target (``kind`` ``"rowadam"`` or ``"sgd"``) and the state it would commit, from
-    its optimizer ``state`` (empty before its first update). Nothing is mutated, so that an update
-    rejected later (probe, realised KL) leaves the state as it was."""
+    its optimizer ``state`` (empty before its first update); with ``beta1 > 0`` the direction is
+    built from the first moment (:func:`first_moment`) instead of the sketch. Nothing is mutated, so
+    that an update rejected later (probe, realised KL) leaves the state as it was."""
     step = state.get("step", torch.tensor(0.0)) + 1
+    new_state = {"step": step}
+    numerator = None
+    if beta1 > 0.0:
+        moment = state.get("first_moment")
+        if moment is None:
+            moment = torch.zeros_like(sketch)
+        numerator, new_state["first_moment"] = first_moment(sketch, moment, int(step), beta1)
     if kind == "sgd":
-        # U aliases the sketch: safe because every use (η, probe, merge) precedes zeroing it.
-        return sketch, {"step": step}
+        # U may alias the sketch: safe because every use (η, probe, merge) precedes zeroing it.
+        return (sketch if numerator is None else numerator), new_state
     moment = state.get("row_second_moment")
     if moment is None:
         moment = torch.zeros(sketch.shape[0], dtype=torch.float32, device=sketch.device)
-    direction, moment = rowadam_direction(sketch, moment, int(step), beta2, eps)
-    return direction, {"step": step, "row_second_moment": moment}
+    direction, new_state["row_second_moment"] = rowadam_direction(sketch, moment, int(step), beta2, eps, numerator)
+    return direction, new_state
 
 
 def low_rank_sq_norm(factor: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,11 @@ VARIANTS = [
     for direction in ("rowadam", "sgd")
     for refresh in (True, False)
     for mode in ("lr", "update_ratio")
+] + [
+    pytest.param(
+        dict(direction="rowadam", refresh=True, refresh_every=2, beta1=0.9, update_ratio=SIZES["update_ratio"]),
+        id="rowadam-momentum-every2-update_ratio",
+    )
 ]
 
 
@@ -73,12 +78,17 @@ def test_state_dict_round_trip_continues_bit_identically(variant):
     # A is regenerated, never stored: per target a step count and, for RowAdam, one fp32 moment
     # per output row.
     moments = {"step", "row_second_moment"} if variant["direction"] == "rowadam" else {"step"}
+    if variant.get("beta1"):  # and a d×r fp32 first moment, like the sketch
+        moments.add("first_moment")
     for index, target in enumerate(opt.targets):
         entry = state["state"][index]
         assert set(entry) == moments and entry["step"].numel() == 1
         if "row_second_moment" in entry:
             assert entry["row_second_moment"].shape == (target.shape[0],)
             assert entry["row_second_moment"].dtype == torch.float32
+        if "first_moment" in entry:
+            assert entry["first_moment"].shape == (target.shape[0], RANK)
+            assert entry["first_moment"].dtype == torch.float32
     buffer = io.BytesIO()
     torch.save(state, buffer)
     buffer.seek(0)
@@ -89,7 +99,8 @@ def test_state_dict_round_trip_continues_bit_identically(variant):
     _, resumed = build(variant, twin)
     resumed.load_state_dict(loaded)
     assert_same_state(resumed.state_dict(), state)
-    assert resumed.update_index == 2 and resumed.projection_index == (2 if variant["refresh"] else 0)
+    expected_index = 2 // variant.get("refresh_every", 1) if variant["refresh"] else 0
+    assert resumed.update_index == 2 and resumed.projection_index == expected_index
     for a, b in zip(opt.targets, resumed.targets):
         assert torch.equal(a.state.projection, b.state.projection), a.name
 
@@ -117,6 +128,8 @@ def test_lr_scheduler_drives_the_step(variant):
     assert opt.param_groups[0]["lr"] == base
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: factors[min(epoch, len(factors) - 1)])
     moments = [torch.zeros(t.shape[0], dtype=torch.float64) for t in opt.targets]
+    first_moments = [torch.zeros(t.shape[0], RANK, dtype=torch.float64) for t in opt.targets]
+    beta1, previous = variant.get("beta1", 0.0), None
     model.train()
     for step, factor in enumerate(factors, start=1):
         assert opt.param_groups[0]["lr"] == pytest.approx(base * factor, rel=1e-12)
@@ -126,9 +139,15 @@ def test_lr_scheduler_drives_the_step(variant):
         scheduler.step()
 
         directions = []
-        for i, (_, s, _) in enumerate(before):
-            u, moments[i] = reference.direction(variant["direction"], s, moments[i], step)
+        for i, (_, s, a) in enumerate(before):
+            numerator = None
+            if beta1:
+                if previous is not None and not torch.equal(previous[i][2], a):
+                    first_moments[i] = reference.carried(first_moments[i], previous[i][2], a)
+                numerator, first_moments[i] = reference.momentum_step(s, first_moments[i], step, beta1)
+            u, moments[i] = reference.direction(variant["direction"], s, moments[i], step, numerator=numerator)
             directions.append(u)
+        previous = before
         if mode == "lr":
             etas = [base * factor] * len(before)
         else:
@@ -205,11 +224,16 @@ def test_gradient_accumulation_equals_one_concatenated_batch(variant):
 
 
 @pytest.mark.parametrize(
-    "direction, dtype",
-    [("rowadam", torch.float32), ("sgd", torch.float32), ("rowadam", torch.bfloat16)],
+    "direction, dtype, momentum",
+    [
+        ("rowadam", torch.float32, {}),
+        ("sgd", torch.float32, {}),
+        ("rowadam", torch.bfloat16, {}),
+        ("rowadam", torch.bfloat16, dict(beta1=0.9, refresh_every=2)),  # torch would cast M to bf16
+    ],
 )
-def test_resume_continues_bit_identically(tmp_path, direction, dtype):
-    kwargs = dict(rank=4, direction=direction, update_ratio=1e-3)
+def test_resume_continues_bit_identically(tmp_path, direction, dtype, momentum):
+    kwargs = dict(rank=4, direction=direction, update_ratio=1e-3, **momentum)
 
     def steps(model, opt, first, count):
         model.train()

@@ -45,9 +45,13 @@ def targets(model):
     steps=st.integers(1, 3),
     seed=st.integers(0, 2**31 - 1),
     scope=st.sampled_from(["target", "model"]),
+    beta1=st.sampled_from([0.0, 0.9]),
+    refresh_every=st.sampled_from([1, 2]),
 )
-@settings(max_examples=60)
-def test_merge_matches_dense_reference(direction, mode, wire, refresh, kind, rank, steps, seed, scope):
+@settings(max_examples=80)
+def test_merge_matches_dense_reference(
+    direction, mode, wire, refresh, kind, rank, steps, seed, scope, beta1, refresh_every
+):
     size = {"lr": 0.05, "update_ratio": 1e-2}[mode]
     model, opt = two_linear(
         ratio_scope=scope,
@@ -56,6 +60,8 @@ def test_merge_matches_dense_reference(direction, mode, wire, refresh, kind, ran
         direction=direction,
         projection=kind,
         refresh=refresh,
+        refresh_every=refresh_every,
+        beta1=beta1,
         wire_dtype=wire,
         seed=seed,
         **{mode: size},
@@ -63,20 +69,34 @@ def test_merge_matches_dense_reference(direction, mode, wire, refresh, kind, ran
     names = [n for n, _ in targets(model)]
     generator = torch.Generator().manual_seed(seed)
     moments = [torch.zeros(m.weight.shape[0], dtype=torch.float64) for _, m in targets(model)]
+    first_moments = [torch.zeros(m.weight.shape[0], rank, dtype=torch.float64) for _, m in targets(model)]
+    previous = None
     for step in range(1, steps + 1):
         backward_random(model, generator)
         before = snapshot(model)
         for (name, _), (_, _, a) in zip(targets(model), before):
-            index = step - 1 if refresh else 0
+            index = (step - 1) // refresh_every if refresh else 0
             assert torch.equal(
                 a.float(), make_projection(projection_seed(seed, index, projection_key(name)), rank, a.shape[1], kind)
             )
+        if previous is not None and beta1 > 0:
+            for i, ((name, module), (_, _, a_old), (_, _, a_new)) in enumerate(zip(targets(model), previous, before)):
+                if not torch.equal(a_old, a_new):  # a new basis: the moment was carried into it
+                    first_moments[i] = reference.carried(first_moments[i], a_old, a_new)
+                scale = first_moments[i].abs().max().item()
+                torch.testing.assert_close(
+                    opt.state[module.weight]["first_moment"].double(), first_moments[i], rtol=1e-5, atol=1e-5 * scale
+                )
         opt.step()
 
         directions = []
         for i, (_, s, _) in enumerate(before):
-            u, moments[i] = reference.direction(direction, s, moments[i], step)
+            numerator = None
+            if beta1 > 0:
+                numerator, first_moments[i] = reference.momentum_step(s, first_moments[i], step, beta1)
+            u, moments[i] = reference.direction(direction, s, moments[i], step, numerator=numerator)
             directions.append(u)
+        previous = before
         if mode == "lr":
             etas = [size] * len(before)
         else:
@@ -329,6 +349,10 @@ def test_state_dict_keeps_the_projection_sharing(batch):
         (dict(lr=1e-3, update_ratio=1e-4), ValueError, "either update_ratio .* or lr"),
         (dict(alpha_max=0), ValueError, "alpha_max must be a positive"),
         (dict(beta2=1.0), ValueError, "beta2 must be in"),
+        (dict(beta1=1.0), ValueError, r"beta1 must be in \[0, 1\), got 1.0"),
+        (dict(beta1=-0.1), ValueError, "beta1 must be in"),
+        (dict(refresh_every=0), ValueError, "refresh_every must be a positive integer, got 0"),
+        (dict(refresh_every=2.5), ValueError, "refresh_every must be a positive integer"),
         (dict(eps=0), ValueError, "eps must be a positive"),
         (dict(wire_dtype=torch.int8), ValueError, "wire_dtype must be a floating"),
     ],

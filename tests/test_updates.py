@@ -10,14 +10,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from logra_optim.updates import (
+    basis_change,
+    carry_first_moment,
+    first_moment,
     low_rank_sq_norm,
+    next_direction,
     merge_low_rank_,
     relative_step_size,
     step_sizes,
     rowadam_direction,
     stochastic_round_to_bf16,
 )
-from tests.helpers.reference import U16, U32, bf16_neighbours, merged, rowadam_step
+from logra_optim.projection import make_projection
+from tests.helpers.reference import U16, U32, bf16_neighbours, carried, merged, momentum_step, rowadam_step
 
 
 def random_sketch(d, r, generator, spread=3.0):
@@ -117,6 +122,115 @@ def test_rowadam_moment_is_invariant_to_a_change_of_sketch_basis():
     _, v_a = rowadam_direction(s, v, 4)
     _, v_b = rowadam_direction(s @ q, v, 4)
     torch.testing.assert_close(v_a, v_b, rtol=1e-12, atol=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# The first moment in sketch space
+
+
+@given(
+    d=st.integers(1, 16),
+    r=st.integers(1, 8),
+    steps=st.integers(1, 6),
+    beta1=st.sampled_from([0.5, 0.9, 0.99]),
+    kind=st.sampled_from(["rowadam", "sgd"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+@settings(max_examples=60)
+def test_momentum_direction_matches_float64_reference(d, r, steps, beta1, kind, seed):
+    generator = torch.Generator().manual_seed(seed)
+    state, m_ref, v_ref = {}, torch.zeros(d, r, dtype=torch.float64), torch.zeros(d, dtype=torch.float64)
+    for t in range(1, steps + 1):
+        s = random_sketch(d, r, generator)
+        numerator, m_ref = momentum_step(s, m_ref, t, beta1)
+        if kind == "rowadam":
+            u_ref, v_ref = rowadam_step(s, v_ref, t, numerator=numerator)
+        else:
+            u_ref = numerator
+        u, state = next_direction(kind, s, state, beta1=beta1)
+        # Row scales differ by orders of magnitude and (1−β1)·S may cancel β1·M: tolerance per row.
+        row_scale = torch.maximum(m_ref.abs().amax(dim=1, keepdim=True), s.double().abs().amax(dim=1, keepdim=True))
+        assert ((state["first_moment"].double() - m_ref).abs() <= 1e-5 * row_scale).all()
+        torch.testing.assert_close(u.double(), u_ref, rtol=1e-4, atol=1e-5 * u_ref.norm().item())
+
+
+def test_momentum_off_keeps_no_first_moment_and_equals_the_sketch_direction():
+    generator = torch.Generator().manual_seed(0)
+    s = random_sketch(5, 3, generator)
+    u0, state0 = next_direction("rowadam", s, {})
+    u1, state1 = next_direction("rowadam", s, {}, beta1=0.0)
+    assert "first_moment" not in state0 and "first_moment" not in state1
+    assert torch.equal(u0, u1) and torch.equal(u0, rowadam_direction(s, torch.zeros(5), 1)[0])
+
+
+def test_first_moment_averages_out_noise_that_a_single_sketch_keeps():
+    """Why it exists: with a common signal under independent noise, the bias-corrected moment is
+    closer to the signal than the latest sketch (β1 = 0.9 averages ≈ 19 sketches)."""
+    generator = torch.Generator().manual_seed(0)
+    signal = torch.randn(64, 8, generator=generator)
+    moment = torch.zeros(64, 8)
+    for t in range(1, 101):
+        sketch = signal + 3.0 * torch.randn(64, 8, generator=generator)
+        estimate, moment = first_moment(sketch, moment, t, 0.9)
+    assert (estimate - signal).norm() < 0.4 * (sketch - signal).norm()
+
+
+def test_first_moment_rejects_bad_arguments_and_does_not_mutate():
+    moment = torch.ones(3, 2)
+    with pytest.raises(ValueError, match="beta1 must be in"):
+        first_moment(torch.zeros(3, 2), moment, 1, 1.0)
+    with pytest.raises(ValueError, match="step must be >= 1"):
+        first_moment(torch.zeros(3, 2), moment, 0, 0.9)
+    first_moment(torch.zeros(3, 2), moment, 1, 0.9)
+    assert torch.equal(moment, torch.ones(3, 2))
+
+
+@given(
+    d=st.integers(1, 10),
+    r=st.integers(1, 6),
+    extra=st.integers(0, 20),
+    kind=st.sampled_from(["rademacher", "gaussian"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+@settings(max_examples=60)
+def test_basis_change_is_the_least_squares_projection_onto_the_new_basis(d, r, extra, kind, seed):
+    k = r + extra
+    old, new = (make_projection(seed + i, r, k, kind) for i in (0, 1))
+    moment = torch.randn(d, r, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).float()
+    moved = carry_first_moment(moment, basis_change(old, new))
+    expected = carried(moment, old, new)
+    # Compared where it matters, in weight space: (M T) A_new against the float64 projection.
+    scale = (moment.double() @ old.double()).abs().max().item() + 1e-30
+    torch.testing.assert_close(
+        moved.double() @ new.double(), expected @ new.double(), rtol=0, atol=1e-4 * scale * max(1.0, k / r)
+    )
+    # A projection never adds energy: ‖M' A_new‖ ≤ ‖M A_old‖.
+    assert (moved.double() @ new.double()).norm() <= (moment.double() @ old.double()).norm() * (1 + 1e-4)
+
+
+def test_basis_change_of_a_basis_to_itself_is_the_identity():
+    a = make_projection(3, 6, 40)
+    torch.testing.assert_close(basis_change(a, a), torch.eye(6), rtol=0, atol=1e-6)
+
+
+def test_basis_change_keeps_a_shared_row_space_and_drops_an_orthogonal_one():
+    """Same row space (``A_new = Q A_old``): the weight-space momentum survives exactly. Orthogonal
+    row spaces (disjoint input columns): nothing of it can be expressed, and nothing is kept."""
+    generator = torch.Generator().manual_seed(0)
+    old = make_projection(0, 4, 30)
+    moment = torch.randn(5, 4, generator=generator)
+    mixed = torch.randn(4, 4, generator=generator) + 4 * torch.eye(4)
+    same_space = mixed @ old
+    kept = carry_first_moment(moment, basis_change(old, same_space)) @ same_space
+    torch.testing.assert_close(kept, moment @ old, rtol=0, atol=1e-4)
+    left, right = torch.zeros(4, 30), torch.zeros(4, 30)
+    left[:, :15], right[:, 15:] = old[:, :15], old[:, 15:]
+    assert carry_first_moment(moment, basis_change(left, right)).abs().max() < 1e-6
+
+
+def test_basis_change_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match="projections must have one shape"):
+        basis_change(torch.zeros(2, 5), torch.zeros(3, 5))
 
 
 def test_rowadam_rejects_step_zero():

@@ -34,21 +34,40 @@ def dense_sketch(g: torch.Tensor, x: torch.Tensor, a: torch.Tensor) -> torch.Ten
 # §2 Directions, step size, merge
 
 
-def rowadam_step(sketch: torch.Tensor, moment: torch.Tensor, step: int, beta2: float = 0.95, eps: float = 1e-8):
-    """RowAdam at step ``t``: ``(U_t, v_t)`` from ``S_t`` and ``v_{t−1}``."""
+def rowadam_step(
+    sketch: torch.Tensor, moment: torch.Tensor, step: int, beta2: float = 0.95, eps: float = 1e-8, numerator=None
+):
+    """RowAdam at step ``t``: ``(U_t, v_t)`` from ``S_t`` and ``v_{t−1}``; the direction normalises
+    ``numerator`` (default ``S_t``) row by row."""
     s = sketch.double()
+    n = s if numerator is None else numerator.double()
     v = beta2 * moment.double() + (1 - beta2) * (s**2).mean(dim=1)
     rho = torch.sqrt(v / (1 - beta2**step))
     den = rho + eps * rho.mean()
-    u = s / den[:, None]
-    return u * (torch.linalg.norm(s) / torch.linalg.norm(u)), v
+    u = n / den[:, None]
+    return u * (torch.linalg.norm(n) / torch.linalg.norm(u)), v
 
 
-def direction(optimizer: str, sketch: torch.Tensor, moment: torch.Tensor, step: int, beta2=0.95, eps=1e-8):
-    """``(U, v)`` of ``optimizer`` ("sgd": ``U = S``, the moment unused; "rowadam": :func:`rowadam_step`)."""
+def momentum_step(sketch: torch.Tensor, moment: torch.Tensor, step: int, beta1: float):
+    """``(M̂_t, M_t)``: ``M_t = β1 M_{t−1} + (1−β1) S_t`` and its bias correction."""
+    m = beta1 * moment.double() + (1 - beta1) * sketch.double()
+    return m / (1 - beta1**step), m
+
+
+def carried(moment: torch.Tensor, old_projection: torch.Tensor, new_projection: torch.Tensor) -> torch.Tensor:
+    """The least-squares ``M'`` with ``M' A_new ≈ M A_old`` (row by row), by ``lstsq`` in float64."""
+    target = (moment.double() @ old_projection.double()).t()  # k×d
+    return torch.linalg.lstsq(new_projection.double().t(), target, driver="gelsd").solution.t()
+
+
+def direction(
+    optimizer: str, sketch: torch.Tensor, moment: torch.Tensor, step: int, beta2=0.95, eps=1e-8, numerator=None
+):
+    """``(U, v)`` of ``optimizer`` ("sgd": ``U = numerator`` or ``S``, the moment unused; "rowadam":
+    :func:`rowadam_step`)."""
     if optimizer == "sgd":
-        return sketch.double(), moment
-    return rowadam_step(sketch, moment, step, beta2, eps)
+        return (sketch if numerator is None else numerator).double(), moment
+    return rowadam_step(sketch, moment, step, beta2, eps, numerator)
 
 
 def step_sizes(
