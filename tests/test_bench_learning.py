@@ -79,7 +79,7 @@ def test_failed_seeds_never_enter_a_mean_and_complete_settings_win():
         return {
             "seed": seed,
             "wall_seconds": 1.0,
-            "metrics": {**metrics, "auc": auc, "kl_predicted": None, "kl_realised": None},
+            "metrics": {**metrics, "auc": auc, "kl_predicted": None, "kl_realised": None, "kl_measured": 1e-3},
         }
 
     # lr 1e-3 has the higher AUC on the seed that completed, but lost seed 1: lr 3e-4 (all seeds) wins.
@@ -114,6 +114,7 @@ def test_all_four_methods_end_to_end(tmp_path):
             assert best[key] is not None and math.isfinite(best[key]), (method, key)
         assert 0.0 <= best["auc"] <= 1.0 and 0.0 <= best["greedy_after"] <= 1.0
         assert (best["kl_predicted"] is not None) == (method == "logra")
+        assert best["kl_measured"] is not None and best["kl_measured"] >= 0.0  # every method's, alike
     records = {run["method"]: run["record"] for run in report["runs"]}
     assert len(records["adamw"]["train_rewards"]) == 3
     # AdamW on the targets trains exactly what LoGRA does; LoRA far less; dense AdamW a little more.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import os
 import subprocess
 import sys
@@ -273,6 +274,9 @@ def test_quick_demo_learns_and_reports(tmp_path):
         assert 0.0 <= run["evaluations"][1][1] <= 1.0  # the evaluation during RL, at update 30
         # Every method starts from the same warm start.
         assert run["before"] == runs["logra"]["before"]
+        # Every method's realised KL of every update, measured alike on its own batch.
+        assert len(run["kl_per_update"]) == 60
+        assert all(math.isfinite(kl) and kl >= 0.0 for kl in run["kl_per_update"])
     # LoRA trains adapters of rank r on the targets; AdamW on the targets exactly LoGRA's weights.
     assert runs["lora"]["trained_params"] < runs["adamw-targets"]["trained_params"] < runs["adamw"]["trained_params"]
     stats = runs["logra"]["logra_stats"]
@@ -283,6 +287,11 @@ def test_quick_demo_learns_and_reports(tmp_path):
     assert all(math.isfinite(q) and q >= 0.0 for q in predictions)
     assert sum(q > 0.0 for q in predictions) >= len(predictions) // 2
     assert all(tokens > 0 for tokens in stats["logra/probe_tokens"])
+    # The meter measures on the contexts LoGRA probes (8 sequences spread over the batch): where
+    # LoGRA predicted a step, the realised KL is that prediction, to the quadratic model's accuracy.
+    pairs = [(r, p) for r, p in zip(runs["logra"]["kl_per_update"], stats["logra/predicted_step_kl"]) if p > 0]
+    assert len(pairs) >= 30
+    assert 0.7 <= statistics.median(r / p for r, p in pairs) <= 1.3
     for image in ("reward.png", "memory.png"):
         assert (tmp_path / image).read_bytes()[:8] == PNG_MAGIC
 

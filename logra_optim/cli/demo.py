@@ -24,6 +24,7 @@ evaluations) and ``memory.png`` next to ``summary.json`` in the output directory
 from __future__ import annotations
 
 import argparse
+import math
 import json
 import os
 import statistics
@@ -69,6 +70,9 @@ class DemoSettings:
     # float64): about a third less probe time, prediction within a percent (docs/benchmarks.md).
     # None: the weights' precision (fp32).
     probe_dtype: str | None = "bfloat16"
+    # LoGRA's first moment in sketch space and how many updates keep one projection (docs/method.md §2).
+    beta1: float = 0.0
+    refresh_every: int = 1
     # LoGRA's realised-KL check: measure each update's KL on the probe contexts after the merge and
     # redo it with a rescaled α when it misses the budget by more than 10%.
     realised_kl_check: bool = False
@@ -122,6 +126,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rank", type=positive_int, default=defaults.rank, help="LoGRA sketch rank")
     parser.add_argument("--kl-budget", type=positive_float, default=defaults.kl_budget, help="LoGRA KL per update")
     parser.add_argument(
+        "--beta1", type=float, default=defaults.beta1, help="LoGRA's first-moment decay in sketch space (0: none)"
+    )
+    parser.add_argument(
+        "--refresh-every", type=positive_int, default=defaults.refresh_every, help="LoGRA updates per projection"
+    )
+    parser.add_argument(
         "--adamw-lr",
         type=positive_float,
         default=None,
@@ -172,6 +182,8 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error(f"--warm-start-steps must be ≥ 0, got {warm}")
     if not 0.0 <= args.warm_start_reward <= 1.0:
         parser.error(f"--warm-start-reward must be in [0, 1] (rewards are), got {args.warm_start_reward}")
+    if not 0.0 <= args.beta1 < 1.0:
+        parser.error(f"--beta1 must be in [0, 1), got {args.beta1}")
     if args.eval_every < 0:
         parser.error(f"--eval-every must be ≥ 0 (0 turns the evaluations during RL off), got {args.eval_every}")
     settings = DemoSettings(
@@ -181,6 +193,8 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         steps=args.steps,
         rank=args.rank,
         kl_budget=args.kl_budget,
+        beta1=args.beta1,
+        refresh_every=args.refresh_every,
         adamw_lr=args.adamw_lr,
         lora_lr=args.lora_lr,
         eval_every=args.eval_every,
@@ -446,14 +460,14 @@ def run_worker(spec: dict) -> dict:
         settings.task, settings.steps * settings.batch_size, digits=settings.digits, style=settings.style, seed=seed
     )
     dataset = Dataset.from_dict({"prompt": [p.prompt for p in problems], "answer": [p.answer for p in problems]})
-    evaluations = greedy_evaluations(settings, tokenizer, device)
+    evaluations, meter = greedy_evaluations(settings, tokenizer, device), kl_meter()
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=tasks.reward,
         args=_grpo_config(settings, method, seed, device),
         train_dataset=dataset,
         processing_class=tokenizer,
-        callbacks=[progress_callback(settings.steps), evaluations],
+        callbacks=[progress_callback(settings.steps), evaluations, meter],
     )
     if method == "logra":
         from logra_optim.integrations.trl import attach_logra  # imports transformers
@@ -464,12 +478,14 @@ def run_worker(spec: dict) -> dict:
             kl_budget=settings.kl_budget,
             update_ratio=settings.update_ratio,
             probe_samples=settings.probe_samples,
+            beta1=settings.beta1,
+            refresh_every=settings.refresh_every,
             probe_dtype=None if settings.probe_dtype is None else getattr(torch, settings.probe_dtype),
             realised_kl_check=settings.realised_kl_check,
         )
     started = time.perf_counter()
     trainer.train()
-    seconds = time.perf_counter() - started - evaluations.seconds
+    seconds = time.perf_counter() - started - evaluations.seconds - meter.seconds
     after = evaluate(model, tokenizer, settings, device)
     history = trainer.state.log_history
     rewards = [entry["reward"] for entry in history if "reward" in entry]
@@ -485,6 +501,7 @@ def run_worker(spec: dict) -> dict:
         "train_rewards": rewards,
         "evaluations": [[0, before["reward"]], *evaluations.points, [settings.steps, after["reward"]]],
         "logra_stats": logra_stats,
+        "kl_per_update": meter.kls,
         "seconds_per_update": seconds / settings.steps,
         "peak_bytes": peak_memory(device) - baseline,
         "device": device,
@@ -512,6 +529,54 @@ def greedy_evaluations(settings: DemoSettings, tokenizer, device: str):
                 self.seconds += time.perf_counter() - started
 
     return GreedyEvaluations()
+
+
+# Sequences of each update's batch on which every method's realised KL per update is measured.
+KL_METER_SAMPLES = 8
+
+
+def kl_meter(samples: int = KL_METER_SAMPLES):
+    """A trainer callback that measures every update's realised KL, ``KL(π_before ‖ π_after)`` per
+    generated token, on ``samples`` sequences of the update's own batch (spread over it), for any
+    method alike: the logits before the optimizer step against those after it. ``kls`` holds one
+    value per update; ``seconds`` its cost, kept out of the training time. This is what makes the
+    methods' step sizes comparable: a KL budget and a learning rate are not."""
+    from transformers import TrainerCallback
+
+    from logra_optim.probe import ContextRecorder, default_logits_fn, inference_environment, realised_kl
+
+    class KLMeter(TrainerCallback):
+        def __init__(self):
+            self.kls: list[float] = []
+            self.seconds = 0.0
+            self._recorder = self._contexts = self._base = None
+
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            self._recorder = ContextRecorder(model, samples, args.temperature)
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            started = time.perf_counter()
+            self._contexts = self._recorder.latest if self._recorder else None
+            if self._contexts is not None and self._contexts.tokens:
+                with torch.no_grad(), inference_environment(model):
+                    self._base = default_logits_fn(model, self._contexts)[self._contexts.probe_mask]
+            self.seconds += time.perf_counter() - started
+
+        def on_optimizer_step(self, args, state, control, model=None, **kwargs):
+            if self._base is None:
+                return
+            started = time.perf_counter()
+            with torch.no_grad():
+                total, tokens = realised_kl(model, self._contexts, self._base)
+            self.kls.append(float(total) / max(int(tokens), 1))
+            self._base = None
+            self.seconds += time.perf_counter() - started
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if self._recorder is not None:
+                self._recorder.remove()
+
+    return KLMeter()
 
 
 def progress_callback(steps: int):
@@ -608,6 +673,8 @@ def summarize(records: list[dict]) -> list[dict]:
                 "reward_after": stat([r["after"]["reward"] for r in runs]),
                 "accuracy_before": stat([r["before"]["accuracy"] for r in runs]),
                 "accuracy_after": stat([r["after"]["accuracy"] for r in runs]),
+                # Median over each run's updates, then the seed mean.
+                "kl_per_update": stat([statistics.median(r.get("kl_per_update") or [math.nan]) for r in runs]),
                 "peak_bytes": max(r["peak_bytes"] for r in runs),
                 "seconds_per_update": statistics.median(r["seconds_per_update"] for r in runs),
                 "trained_params": runs[0]["trained_params"],
@@ -629,6 +696,7 @@ def table_rows(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
         "reward after",
         "exact before",
         "exact after",
+        "KL/update",
         "peak MiB",
         "s/update",
     ]
@@ -643,6 +711,7 @@ def table_rows(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
             pm(r["reward_after"]),
             pm(r["accuracy_before"]),
             pm(r["accuracy_after"]),
+            f"{r['kl_per_update'][0]:.1e}",
             f"{r['peak_bytes'] / MIB:.0f}",
             f"{r['seconds_per_update']:.2f}",
         ]
