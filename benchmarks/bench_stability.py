@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seeds", type=int_list, default=[0], help="comma-separated")
     parser.add_argument("--kl-budget", type=positive_float, default=defaults.kl_budget, help="KL budget per update")
     parser.add_argument("--update-ratio", type=positive_float, default=defaults.update_ratio)
+    parser.add_argument("--beta1", type=float, default=defaults.beta1, help="first-moment decay (0: none)")
+    parser.add_argument(
+        "--refresh-every", type=positive_int, default=defaults.refresh_every, help="updates per projection"
+    )
     parser.add_argument("--rank", type=positive_int, default=defaults.rank)
     parser.add_argument(
         "--policy", choices=sorted(demo.POLICIES), default="tiny", help="the demo's built-in policy to train"
@@ -107,7 +111,8 @@ def markdown(report: dict) -> str:
         "",
         f"{settings['steps']} updates of {settings['batch_size']} completions on `{settings['task']}`, rank "
         f"{settings['rank']}, KL budget {settings['kl_budget']:g} per update, update_ratio "
-        f"{settings['update_ratio']:g}, realised-KL check on (probe contexts, ±10%, up to 3 retries). A run "
+        f"{settings['update_ratio']:g}, first moment β1 {settings['beta1']:g} with `A` kept "
+        f"{settings['refresh_every']} updates, realised-KL check on (probe contexts, ±10%, up to 3 retries). A run "
         f"collapsed if its last {settings['window']}-update reward window is more than "
         f"{settings['collapse_tolerance']:g} below its best.",
         "",
@@ -171,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.warm_start_steps < 0:
         parser.error(f"--warm-start-steps must be ≥ 0, got {args.warm_start_steps}")
+    if not 0.0 <= args.beta1 < 1.0:
+        parser.error(f"--beta1 must be in [0, 1), got {args.beta1}")
     from rich.console import Console
 
     console = Console(stderr=True)
@@ -184,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         rank=args.rank,
         kl_budget=args.kl_budget,
         update_ratio=args.update_ratio,
+        beta1=args.beta1,
+        refresh_every=args.refresh_every,
         seeds=args.seeds,
         batch_size=args.batch_size,
         probe_samples=32,

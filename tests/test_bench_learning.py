@@ -34,6 +34,8 @@ bench = load_script("bench_learning")
         (["--logra-ratios", "0.1"], "--logra-ratios"),  # the default knob is kl_budget
         (["--adamw-lrs", "1e-4,3e-4", "--lora-lrs", "1e-3"], "same number of values"),
         (["--seeds", "0,0"], "--seeds"),
+        (["--beta1", "1.0"], "--beta1"),
+        (["--refresh-every", "0"], "--refresh-every"),
     ],
 )
 def test_bad_input_is_a_usage_error_naming_the_option(capsys, tmp_path, argv, expected):
