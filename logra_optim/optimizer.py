@@ -362,12 +362,13 @@ class LoGRAOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
-        """Merge ``W ← W − α η U A`` for every target, then refresh ``A`` and clear the sketches.
+        """Merge ``W ← W − α η U A`` for every target, then clear the sketches and, every
+        ``refresh_every`` updates, draw a new ``A`` (carrying any first moment into it).
 
-        The sketches are cleared because they are expressed in the basis ``A`` that was just
-        replaced. A non-finite sketch, or a non-finite predicted or realised KL, skips the update:
-        weights and optimizer state stay untouched, a warning is issued and a counter in ``stats``
-        records it.
+        The sketches are cleared because they hold this update's gradient (and, at a redraw, are
+        expressed in the basis that was just replaced). A non-finite sketch, or a non-finite
+        predicted or realised KL, skips the update: weights and optimizer state stay untouched, a
+        warning is issued and a counter in ``stats`` records it.
         """
         self._refuse_loss_scaling()
         loss = None

@@ -37,7 +37,7 @@ import torch
 
 from . import tasks
 from .arguments import choice_list, device, int_list, model_dir, positive_float, positive_int, writable_dir
-from .measure import MIB, memory_baseline, peak_memory, ratio, resolve_device
+from .measure import MIB, memory_baseline, peak_memory, ratio, resolve_device, synchronize
 from .runner import run_fresh
 
 # LoGRA and the three ways to train the same model it is measured against: dense AdamW on every
@@ -468,7 +468,7 @@ def run_worker(spec: dict) -> dict:
         settings.task, settings.steps * settings.batch_size, digits=settings.digits, style=settings.style, seed=seed
     )
     dataset = Dataset.from_dict({"prompt": [p.prompt for p in problems], "answer": [p.answer for p in problems]})
-    evaluations, meter = greedy_evaluations(settings, tokenizer, device), kl_meter()
+    evaluations, meter = greedy_evaluations(settings, tokenizer, device), kl_meter(device)
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=tasks.reward,
@@ -543,12 +543,13 @@ def greedy_evaluations(settings: DemoSettings, tokenizer, device: str):
 KL_METER_SAMPLES = 8
 
 
-def kl_meter(samples: int = KL_METER_SAMPLES):
+def kl_meter(device: str = "cpu", samples: int = KL_METER_SAMPLES):
     """A trainer callback that measures every update's realised KL, ``KL(π_before ‖ π_after)`` per
     generated token, on ``samples`` sequences of the update's own batch (spread over it), for any
     method alike: the logits before the optimizer step against those after it. ``kls`` holds one
     value per update; ``seconds`` its cost, kept out of the training time. This is what makes the
-    methods' step sizes comparable: a KL budget and a learning rate are not."""
+    methods' step sizes comparable: a KL budget and a learning rate are not. Queued GPU work is
+    waited for around each clock read, so that no training work is counted as the meter's time."""
     from transformers import TrainerCallback
 
     from logra_optim.probe import ContextRecorder, default_logits_fn, inference_environment, realised_kl
@@ -563,16 +564,19 @@ def kl_meter(samples: int = KL_METER_SAMPLES):
             self._recorder = ContextRecorder(model, samples, args.temperature)
 
         def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            synchronize(device)
             started = time.perf_counter()
             self._contexts = self._recorder.latest if self._recorder else None
             if self._contexts is not None and self._contexts.tokens:
                 with torch.no_grad(), inference_environment(model):
                     self._base = default_logits_fn(model, self._contexts)[self._contexts.probe_mask]
+            synchronize(device)
             self.seconds += time.perf_counter() - started
 
         def on_optimizer_step(self, args, state, control, model=None, **kwargs):
             if self._base is None:
                 return
+            synchronize(device)
             started = time.perf_counter()
             with torch.no_grad():
                 total, tokens = realised_kl(model, self._contexts, self._base)
