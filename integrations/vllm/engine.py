@@ -35,18 +35,27 @@ from logra_optim.sync import (
     checksum_probe,
     merge_like_trainer_,
     projections_of,
+    relative_drift,
     weight_checksum,
 )
 
 from . import wire
 from .placement import Placement, checkpoint_fused_placement, column_parallel_placements, row_parallel_placement
 
-__all__ = ["EXTENSION", "EngineUpdater", "LoGRAWorkerExtension", "engine_placements"]
+__all__ = ["DRIFT_MARKER", "DriftError", "EXTENSION", "EngineUpdater", "LoGRAWorkerExtension", "engine_placements"]
 
 # What vLLM imports in its workers: must name the class below (a test resolves it).
 EXTENSION = "logra_optim.integrations.vllm.engine.LoGRAWorkerExtension"
 # The same class by the path it had before the adapter became a package (still resolves).
 LEGACY_EXTENSION = "logra_optim.integrations.vllm.LoGRAWorkerExtension"
+
+
+# Starts the message of a failed engine-side drift check; the measurement follows as JSON.
+DRIFT_MARKER = "LoGRA sync drift check failed: "
+
+
+class DriftError(RuntimeError):
+    """The engine's copy of the weights has drifted from the trainer's past the bound."""
 
 
 def engine_placements(model: nn.Module) -> dict[str, Placement]:
@@ -122,11 +131,18 @@ class EngineUpdater:
 
     ``state``: the update index the weights are at (``None`` until the first full sync, and after a
     failed reload), the mode and, in reload mode, the shadow copies. Every public method returns
-    plain JSON-able values, so the server's RPC endpoint can carry them.
+    plain JSON-able values, so the server's RPC endpoint can carry them. Two front ends drive it:
+    :class:`LoGRAWorkerExtension` (``collective_rpc``) and the ``logra`` weight-transfer backend
+    (:mod:`.backend`, vLLM's ``/update_weights``).
+
+    Args:
+        model: returns the engine's model (the worker's, or a weight-transfer engine's ``model``);
+            called on use, so a model the worker replaces is followed.
+        vllm_config: the engine's configuration (its model dtype; vLLM's reload needs it).
     """
 
-    def __init__(self, worker):
-        self.worker, self.model_runner = worker, worker.model_runner
+    def __init__(self, model: Callable[[], nn.Module], vllm_config):
+        self.model, self.vllm_config = model, vllm_config
         self._state = None
 
     def _engine_state(self) -> dict:
@@ -135,7 +151,7 @@ class EngineUpdater:
         if state is None:
             from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
-            model = self.model_runner.model
+            model = self.model()
             placements = engine_placements(model)
             layers = self._layers()
             # In place only where every linear holds its plain (unpacked, unquantized) weight shard.
@@ -159,7 +175,7 @@ class EngineUpdater:
         return state
 
     def _layers(self) -> dict[str, nn.Module]:
-        return dict(self.model_runner.model.named_modules())
+        return dict(self.model().named_modules())
 
     def _linear_module_of(self, name: str) -> str | None:
         """The engine linear module a checkpoint tensor loads into (fused groups: the fused one)."""
@@ -171,8 +187,13 @@ class EngineUpdater:
         return fused_name if fused_name in state["linear_modules"] else None
 
     def _reload(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        with _quiet_reload_logs():
-            self.worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        """vLLM's in-place reload, as its worker's ``reload_weights`` runs it (that also resets LoRA and
+        multimodal caches, which a LoGRA policy has none of)."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+        with _quiet_reload_logs(), set_current_vllm_config(self.vllm_config):
+            reload_weights(self.vllm_config, self.model(), iter(weights), weights_path=None, is_checkpoint_format=True)
 
     def _reload_with_groups(self, new: dict[str, torch.Tensor]) -> None:
         """Reload ``new`` and, for every linear layer it touches, the layer's other tensors from the
@@ -204,7 +225,7 @@ class EngineUpdater:
         if self._engine_state()["mode"] == "reload":
             self._reload_with_groups(dict(weights))
         else:
-            self.model_runner.model.load_weights(weights)
+            self.model().load_weights(weights)
 
     def full_sync(self, weights, update_index: int | str, shadow_dtype: str = "float32") -> dict:
         """Load full checkpoint-format weights (all of the model, or a subset) and mark the engine as
@@ -282,6 +303,44 @@ class EngineUpdater:
         state["index"] = payload.last_index
         return {"index": state["index"], "mode": state["mode"], "seconds": time.perf_counter() - started}
 
+    def patch(self, patches) -> dict:
+        """Lossless sparse-delta sync, the baseline LoGRA's factors are measured against (as vLLM's
+        ``sparse_nccl`` backend sends it): ``{name: (flat int32 indices, values)}`` write the changed
+        entries of whole checkpoint matrices, which the engine then holds exactly. Checked first (names,
+        index range, dtypes); a tensor-parallel engine is refused (its shards are not whole matrices)."""
+        started = time.perf_counter()
+        state = self._engine_state()
+        patches = wire.load(patches) if isinstance(patches, (bytes, str)) else patches
+        if state["index"] is None:
+            raise PayloadError("LoGRA sync: the engine has no synced weights yet; run a full sync first")
+        for name, (indices, values) in patches.items():
+            placement = state["placements"].get(name)
+            if placement is None or placement.whole_only:
+                raise PayloadError(f"LoGRA sync: {name!r} is not a linear weight this engine can patch")
+            if placement.projection_cols != slice(0, placement.in_features) or (
+                placement.factor_rows != slice(0, placement.out_features)
+            ):
+                raise PayloadError(f"LoGRA sync: sparse patches need whole matrices; {name!r} is sharded here")
+            numel = placement.out_features * placement.in_features
+            if indices.dtype != torch.int32 or indices.dim() != 1 or indices.shape != values.shape:
+                raise PayloadError(f"LoGRA sync: patch of {name!r} needs 1-D int32 indices and values of one length")
+            if len(indices) and not (0 <= int(indices.min()) and int(indices.max()) < numel):
+                raise PayloadError(f"LoGRA sync: patch of {name!r} indexes outside its {numel} entries")
+            if not values.is_floating_point():
+                raise PayloadError(f"LoGRA sync: patch of {name!r} has {values.dtype} values")
+        staged = {}
+        for name, (indices, values) in patches.items():
+            # Reload mode: a staged copy of the shadow, reloaded below; in place: a view of the rows.
+            copy = self._copy_of(name)
+            target = copy.clone() if state["mode"] == "reload" else copy
+            target.view(-1).index_copy_(0, indices.to(target.device, torch.long), values.to(target))
+            if state["mode"] == "reload":
+                staged[name] = target
+            state["compensation"].pop(name, None)  # the engine now holds these values exactly
+        if staged:
+            self._reload_with_groups(staged)
+        return {"index": state["index"], "seconds": time.perf_counter() - started}
+
     def _copy_of(self, name: str) -> torch.Tensor:
         """The engine's own copy of a target's rows: its shadow (reload mode) or its loaded rows."""
         state = self._engine_state()
@@ -335,6 +394,53 @@ class EngineUpdater:
                 compensation = state["compensation"].get(target.name)
                 merge_like_trainer_(rows, target, projection, update.index, compensation, placement.factor_rows)
 
+    def check_targets(self, names: list[str]) -> None:
+        """Refuse, before any update, targets this engine cannot update by factors: names that are
+        not one of its linear weights, and matrices it can only load whole (the weight-transfer
+        backend has no channel to ask the trainer to send those whole, as the extension does)."""
+        placements = self._engine_state()["placements"]
+        unknown = [name for name in names if name not in placements]
+        if unknown:
+            known = ", ".join(sorted(placements)[:4])
+            raise PayloadError(
+                f"LoGRA sync: {len(unknown)} target names are not linear weights of this engine, e.g. "
+                f"{unknown[0]!r} (the engine's are like {known} …); the trainer's model does not map onto it"
+            )
+        whole = [name for name in names if placements[name].whole_only]
+        if whole:
+            raise PayloadError(
+                f"LoGRA sync: {whole[0]!r} and {len(whole) - 1} more are stored fused in the checkpoint and split by "
+                "this engine its own way; they can only be loaded whole, which the worker extension path does "
+                "(LLM(..., worker_extension_cls=EXTENSION))"
+            )
+
+    def verify(self, expected, seed: int, drift_bound: float) -> dict:
+        """The drift check on the engine's side: ``expected`` (wire text of ``{name: {dtype name:
+        W p}}``) is the trainer's float64 ``W p`` per target, its weights rounded to each dtype the
+        engine may hold them in; the probe ``p`` is drawn from ``seed``. Measures what
+        :meth:`checksums` returns to a trainer that can read results, and raises :class:`DriftError`
+        (the measurement as JSON in its message) when the copy or the served weights drift past the
+        bound (served: ``max(drift_bound, 4·eps)`` of the engine dtype). A row-parallel shard holds a
+        partial product only; under tensor parallelism those layers are not checked here."""
+        expected = wire.load(expected)
+        result = wire.load(self.checksums(json.dumps(sorted(expected)), seed))
+        copy_dtype, served_dtype = result["copy_dtype"], result["served_dtype"]
+        served_bound = max(drift_bound, 4 * torch.finfo(wire.dtype(served_dtype)).eps)
+        worst = {"drift": 0.0, "served_drift": 0.0}
+        for name, sums in expected.items():
+            start, copy, served, partial = result[name]
+            if partial:
+                continue
+            rows = slice(start, start + copy.numel())
+            for key, local, dtype in (("drift", copy, copy_dtype), ("served_drift", served, served_dtype)):
+                if dtype not in sums:
+                    raise PayloadError(f"LoGRA sync: verify sent no checksums in {dtype} for {name!r}")
+                worst[key] = max(worst[key], relative_drift(local, sums[dtype][rows]))
+        measured = {**worst, "served_bound": served_bound}
+        if worst["drift"] > drift_bound or worst["served_drift"] > served_bound:
+            raise DriftError(f"{DRIFT_MARKER}{json.dumps(measured)}")
+        return measured
+
     @torch.no_grad()
     def checksums(self, names: str, seed: int | str) -> str:
         """Checksums ``W p`` of the requested HF matrices (a JSON list), as :func:`.wire.dump` of
@@ -347,7 +453,7 @@ class EngineUpdater:
         state = self._engine_state()
         names, seed = json.loads(names), int(seed)
         layers = self._layers()
-        dtype = self.worker.model_config.dtype
+        dtype = self.vllm_config.model_config.dtype
         result = {"tp_size": 1, "copy_dtype": str(state["shadow_dtype"]), "served_dtype": str(dtype)}
         for name in names:
             placement = state["placements"].get(name)
@@ -378,7 +484,7 @@ class EngineUpdater:
             "targets": len(state["placements"]),
             "whole_only": sorted(name for name, p in state["placements"].items() if p.whole_only),
             "compensation_bytes": sum(t.numel() * t.element_size() for t in state["compensation"].values()),
-            "dtype": str(self.worker.model_config.dtype),
+            "dtype": str(self.vllm_config.model_config.dtype),
         }
 
 
@@ -388,7 +494,7 @@ def _updater(worker) -> EngineUpdater:
     worker = getattr(worker, "worker", None) or worker
     updater = getattr(worker, "_logra_updater", None)
     if updater is None:
-        updater = EngineUpdater(worker)
+        updater = EngineUpdater(worker.model_runner.get_model, worker.vllm_config)
         worker._logra_updater = updater
     return updater
 
@@ -407,6 +513,9 @@ class LoGRAWorkerExtension:
 
     def logra_apply(self, payload) -> dict:
         return _updater(self).apply(payload)
+
+    def logra_patch(self, patches) -> dict:
+        return _updater(self).patch(patches)
 
     def logra_checksums(self, names, seed) -> str:
         return _updater(self).checksums(names, seed)

@@ -3,9 +3,10 @@
 :class:`VLLMSync` records what the optimizer merges (an :class:`~logra_optim.sync.UpdateRecorder`),
 sends it to the engine's workers as a :class:`~logra_optim.sync.SyncPayload` and watches the drift
 between the two copies, falling back to full weights when that is smaller or safer. It reaches the
-workers through one of two transports with the same three methods (``call``, ``wire``,
-``wire_weights``): :class:`_Colocated` for an ``LLM`` object of this process, :class:`_Server` for
-a vLLM OpenAI server. Everything it needs from the optimizer comes from its public read-only view:
+workers through one of two transports with the same methods (``full_sync``, ``apply``, ``load``,
+``patch``, ``whole_only``): :class:`_Colocated` for an ``LLM`` object of this process (the worker extension,
+``collective_rpc``), :class:`_Server` for a vLLM server with the ``logra`` weight-transfer backend
+(vLLM's own ``/update_weights`` endpoints). Everything it needs from the optimizer comes from its public read-only view:
 ``optimizer.model`` and ``optimizer.targets``.
 """
 
@@ -35,7 +36,8 @@ from logra_optim.sync import (
 )
 
 from . import wire
-from .engine import EXTENSION, LEGACY_EXTENSION, LoGRAWorkerExtension
+from .engine import DRIFT_MARKER, EXTENSION, LEGACY_EXTENSION, LoGRAWorkerExtension
+from .plugin import BACKEND, PROTOCOL
 
 __all__ = ["VLLMSync"]
 
@@ -47,7 +49,8 @@ def _cpu_copies(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple
 
 
 class _Colocated:
-    """An ``LLM`` object of this process; its engine may run here or in a process of its own."""
+    """An ``LLM`` object of this process; its engine may run here or in a process of its own.
+    Reaches the workers through ``collective_rpc`` and the worker extension's methods."""
 
     def __init__(self, llm):
         self.llm = llm
@@ -60,52 +63,142 @@ class _Colocated:
     def call(self, method: str, *args) -> list:
         return self.llm.collective_rpc(method if self.by_name else getattr(LoGRAWorkerExtension, method), args=args)
 
-    def wire(self, data: bytes):
-        return data
-
-    def wire_weights(self, weights: list[tuple[str, torch.Tensor]]) -> tuple[Any, int]:
+    def _weights(self, weights: list[tuple[str, torch.Tensor]]) -> tuple[Any, int]:
         if self.by_name:  # possibly another process (vLLM's default): its RPC carries bytes, not tensors
             data = to_bytes(dict(weights))
             return data, len(data)
         return weights, sum(t.numel() * t.element_size() for _, t in weights)
 
+    def full_sync(self, weights, update_index: int, shadow_dtype: str) -> tuple[int, float]:
+        data, sent = self._weights(weights)
+        return sent, self.call("logra_full_sync", data, update_index, shadow_dtype)[0]["seconds"]
+
+    def whole_only(self) -> set[str]:
+        return set(self.call("logra_status")[0]["whole_only"])
+
+    def apply(self, payload: bytes) -> tuple[int, float]:
+        return len(payload), self.call("logra_apply", payload)[0]["seconds"]
+
+    def load(self, weights) -> int:
+        data, sent = self._weights(weights)
+        self.call("logra_load", data)
+        return sent
+
+    def patch(self, patches: dict) -> tuple[int, float]:
+        if self.by_name:
+            data = to_bytes(patches)
+            return len(data), self.call("logra_patch", data)[0]["seconds"]
+        sent = sum(t.numel() * t.element_size() for pair in patches.values() for t in pair)
+        return sent, self.call("logra_patch", patches)[0]["seconds"]
+
+    def checksums(self, names: str, seed: int) -> list[dict]:
+        return [wire.load(result) for result in self.call("logra_checksums", names, seed)]
+
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()
 
 
+class ServerError(RuntimeError):
+    """An HTTP error from a vLLM server; ``message`` is the error's text (vLLM's JSON error body
+    ``{"error": {"message": ...}}`` unpacked where it is one)."""
+
+    def __init__(self, url: str, status: int, body: str):
+        self.status = status
+        try:
+            self.message = str(json.loads(body)["error"]["message"])
+        except (ValueError, KeyError, TypeError):
+            self.message = body
+        super().__init__(f"vLLM server {url}: HTTP {status}: {self.message[:4000]}")
+
+
 class _Server:
-    """A vLLM OpenAI server started with ``--worker-extension-cls`` and ``VLLM_SERVER_DEV_MODE=1``."""
+    """A vLLM server with the ``logra`` weight-transfer backend, driven through vLLM's own endpoints
+    (:mod:`.backend`): each sync is ``/start_weight_update``, one or two ``/update_weights`` with the
+    data inside the request, and ``/finish_weight_update`` with the update index as the weight
+    version (``GET /weight_info`` reads it back). The endpoints return no data: the engine's timing
+    is not known here, and the drift check runs on the engine (:meth:`verify`)."""
 
-    def __init__(self, url: str, timeout: float = 600.0):
-        self.url, self.timeout = url.rstrip("/"), timeout
+    def __init__(self, url: str, targets: list[str], timeout: float = 600.0):
+        self.url, self.targets, self.timeout = url.rstrip("/"), targets, timeout
+        self.model_dtype: torch.dtype | None = None  # known once initialised
 
-    def _post(self, path: str, body: dict | None = None):
+    def _request(self, path: str, body: dict | None = None, method: str = "POST"):
         request = urllib.request.Request(
             self.url + path,
-            data=json.dumps(body or {}).encode(),
+            data=None if method == "GET" else json.dumps(body or {}).encode(),
             headers={"Content-Type": "application/json"},
-            method="POST",
+            method=method,
         )
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
                 text = response.read().decode()
         except urllib.error.HTTPError as error:
-            detail = error.read().decode()[:2000]
-            raise RuntimeError(f"vLLM server {self.url}{path}: HTTP {error.code}: {detail}") from error
+            raise ServerError(self.url + path, error.code, error.read().decode()) from error
+        except urllib.error.URLError as error:
+            raise RuntimeError(f"vLLM server {self.url}: cannot reach it ({error.reason})") from error
         return json.loads(text) if text else None
 
-    def call(self, method: str, *args) -> list:
-        return self._post("/collective_rpc", {"method": method, "args": [str(a) for a in args]})["results"]
+    def initialise(self) -> None:
+        """Check that the server runs the ``logra`` backend, then hand it the protocol version and the
+        target names (the engine refuses names it cannot update by factors). Once per server."""
+        if self.model_dtype is not None:
+            return
+        config_flag = json.dumps({"backend": BACKEND})
+        start = f"start it with VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config '{config_flag}'"
+        try:
+            config = self._request("/server_info?config_format=json", method="GET")["vllm_config"]
+        except ServerError as error:
+            raise RuntimeError(
+                f"vLLM server {self.url} does not offer vLLM's weight-transfer endpoints (GET /server_info: HTTP "
+                f"{error.status}); {start}"
+            ) from error
+        backend = (config.get("weight_transfer_config") or {}).get("backend")
+        if backend != BACKEND:
+            raise RuntimeError(
+                f"vLLM server {self.url} runs weight-transfer backend {backend!r}, not {BACKEND!r}: LoGRA syncs need "
+                f"logra-optim installed beside the server and {start}"
+            )
+        self._request("/init_weight_transfer_engine", {"init_info": {"protocol": PROTOCOL, "targets": self.targets}})
+        self.model_dtype = wire.dtype(config["model_config"]["dtype"])
 
-    def wire(self, data: bytes) -> str:
-        return wire.to_wire(data)
+    def _update(self, info: dict, version: int | None = None) -> int:
+        """One ``/update_weights`` between start and finish; returns the bytes of its data."""
+        self.initialise()
+        self._request("/start_weight_update")
+        self._request("/update_weights", {"update_info": info})  # a refused update ends the session in vLLM
+        self._request("/finish_weight_update", {} if version is None else {"weight_version": str(version)})
+        return len(info["data"])
 
-    def wire_weights(self, weights: list[tuple[str, torch.Tensor]]) -> tuple[str, int]:
-        data = wire.dump(dict(weights))
-        return data, len(data)
+    def full_sync(self, weights, update_index: int, shadow_dtype: str) -> tuple[int, None]:
+        info = {"kind": "full", "data": wire.dump(dict(weights)), "update_index": update_index}
+        return self._update({**info, "shadow_dtype": shadow_dtype}, update_index), None
+
+    def whole_only(self) -> set[str]:
+        return set()  # refused when the engine was initialised (see EngineUpdater.check_targets)
+
+    def apply(self, payload: bytes) -> tuple[int, None]:
+        index = SyncPayload.decode(payload).last_index
+        return self._update({"kind": "apply", "data": wire.to_wire(payload)}, index), None
+
+    def load(self, weights) -> int:
+        return self._update({"kind": "load", "data": wire.dump(dict(weights))})
+
+    def patch(self, patches: dict) -> tuple[int, None]:
+        return self._update({"kind": "patch", "data": wire.dump(patches)}), None
+
+    def verify(self, expected: dict, seed: int, drift_bound: float) -> dict | None:
+        """``None`` when the engine found its weights within the bound; otherwise what it measured."""
+        try:
+            self._update({"kind": "verify", "data": wire.dump(expected), "seed": seed, "drift_bound": drift_bound})
+        except ServerError as error:
+            message = error.message
+            if DRIFT_MARKER not in message:
+                raise
+            return json.JSONDecoder().raw_decode(message.split(DRIFT_MARKER, 1)[1])[0]
+        return None
 
     def reset_prefix_cache(self) -> None:
-        self._post("/reset_prefix_cache")
+        self._request("/reset_prefix_cache")
 
 
 class VLLMSync:
@@ -113,11 +206,12 @@ class VLLMSync:
 
     Args:
         optimizer: the :class:`~logra_optim.LoGRAOptimizer` whose updates are sent.
-        engine: an ``LLM`` (colocated), or the base URL of a vLLM server started with
-            ``--worker-extension-cls`` and ``VLLM_SERVER_DEV_MODE=1``. An ``LLM`` whose engine runs
-            in its own process (vLLM's default) needs ``worker_extension_cls=EXTENSION``; one
-            running in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, TRL's colocate mode)
-            works without it.
+        engine: an ``LLM`` (colocated), or the base URL of a vLLM server started with the ``logra``
+            weight-transfer backend (``VLLM_SERVER_DEV_MODE=1 vllm serve MODEL
+            --weight-transfer-config '{"backend": "logra"}'``; see :mod:`.backend`). An ``LLM``
+            whose engine runs in its own process (vLLM's default) needs
+            ``worker_extension_cls=EXTENSION``; one running in this process
+            (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, TRL's colocate mode) works without it.
         named_parameters: ``() -> iterable of (checkpoint name, tensor)`` giving the full weights
             for a full sync (default: the optimizer's model, wrapper prefixes stripped). Under
             FSDP/ZeRO-3 pass one that gathers them (TRL's does).
@@ -159,7 +253,10 @@ class VLLMSync:
             )
             check_every = 0
         self.optimizer = optimizer
-        self.engine = _Server(engine) if isinstance(engine, str) else _Colocated(engine)
+        if isinstance(engine, str):
+            self.engine = _Server(engine, [target.parameter_name for target in optimizer.targets])
+        else:
+            self.engine = _Colocated(engine)
         self.named_parameters = named_parameters or self._model_parameters
         self.check_every, self.drift_bound, self.full_every = check_every, drift_bound, full_every
         self.shadow_dtype = str(shadow_dtype).removeprefix("torch.")
@@ -203,19 +300,19 @@ class VLLMSync:
     def full_sync(self) -> dict:
         """Send every parameter; the engine is then at the optimizer's current update index."""
         started = time.perf_counter()
-        data, sent = self.engine.wire_weights(_cpu_copies(self.named_parameters()))
+        weights = _cpu_copies(self.named_parameters())
         self.needs_full = True  # until the engine has confirmed
-        result = self.engine.call("logra_full_sync", data, self.optimizer.update_index, self.shadow_dtype)
+        sent, engine_seconds = self.engine.full_sync(weights, self.optimizer.update_index, self.shadow_dtype)
         self.recorder.clear()
         self.needs_full = False
         self.compressed_since_check = 0
         if self._whole is None:
             self._whole = self._targets_loaded_whole()
-        return self._finish("full", sent, started, result[0]["seconds"])
+        return self._finish("full", sent, started, engine_seconds)
 
     def _targets_loaded_whole(self) -> list[tuple[str, torch.Tensor]]:
         """Targets the engine can only load whole (asked once, after the first full sync)."""
-        whole = set(self.engine.call("logra_status")[0]["whole_only"])
+        whole = self.engine.whole_only()
         targets = [(t.parameter_name, t.weight) for t in self.optimizer.targets if t.parameter_name in whole]
         if targets:
             warnings.warn(
@@ -247,13 +344,9 @@ class VLLMSync:
         sent, engine_seconds = 0, 0.0
         self.needs_full = True  # until the engine has confirmed: a failed sync loses the drained updates
         if payload is not None:
-            data = self.engine.wire(payload.encode())
-            engine_seconds = self.engine.call("logra_apply", data)[0]["seconds"]
-            sent += len(data)
+            sent, engine_seconds = self.engine.apply(payload.encode())
         if self._non_targets or self._whole:
-            data, size = self.engine.wire_weights(self._tensors_sent_whole())
-            self.engine.call("logra_load", data)
-            sent += size
+            sent += self.engine.load(self._tensors_sent_whole())
         self.needs_full = False
         stats = self._finish("compressed", sent, started, engine_seconds)
         self.compressed_since_check += 1
@@ -261,7 +354,9 @@ class VLLMSync:
             self.compressed_since_check = 0
             measured = self.drift()
             stats.update(measured)
-            if measured["drift"] > self.drift_bound or measured["served_drift"] > measured["served_bound"]:
+            if measured.get("drift", 0.0) > self.drift_bound or measured.get("served_drift", 0.0) > measured.get(
+                "served_bound", math.inf
+            ):
                 warnings.warn(
                     f"LoGRA sync: engine drift {measured} exceeds the bound; full sync", RuntimeWarning, stacklevel=2
                 )
@@ -287,12 +382,18 @@ class VLLMSync:
           4·eps(engine dtype))``.
 
         NaN when the engine runs tensor-parallel and only this process's rank answered (TRL's
-        ``external_launcher``): a partial comparison would be meaningless."""
+        ``external_launcher``): a partial comparison would be meaningless.
+
+        A server (the ``logra`` backend) compares on its side, since vLLM's endpoints return no data:
+        ``{"drift_within_bound": 1.0}`` when it found the weights within the bound, else what it
+        measured (the same three numbers)."""
         seed = self.syncs if seed is None else seed
         whole = {name for name, _ in self._whole or ()}
         targets = [target for target in self.optimizer.targets if target.parameter_name not in whole]
+        if isinstance(self.engine, _Server):
+            return self._drift_on_server(targets, seed)
         names = json.dumps([target.parameter_name for target in targets])
-        results = [wire.load(r) for r in self.engine.call("logra_checksums", names, seed)]
+        results = self.engine.checksums(names, seed)
         served_dtype, copy_dtype = wire.dtype(results[0]["served_dtype"]), wire.dtype(results[0]["copy_dtype"])
         served_bound = max(self.drift_bound, 4 * torch.finfo(served_dtype).eps)
         if len(results) < results[0]["tp_size"]:
@@ -318,9 +419,22 @@ class VLLMSync:
                 worst[key] = max(worst[key], relative_drift(engine[key], trainer[key]))
         return {**worst, "served_bound": served_bound}
 
-    def _finish(self, kind: str, sent: int, started: float, engine_seconds: float) -> dict:
+    def _drift_on_server(self, targets, seed: int) -> dict[str, float]:
+        """The trainer's float64 ``W p`` per target, its weights rounded to each dtype the engine
+        may hold them in (its shadows', its model's), checked by the engine against its own."""
+        self.engine.initialise()
+        dtypes = {wire.dtype(self.shadow_dtype), self.engine.model_dtype}
+        expected = {}
+        for target in targets:
+            name, weight = target.parameter_name, target.weight.detach()
+            probe = checksum_probe(projection_seed(seed, 0, name), weight.shape[1], device=weight.device)
+            expected[name] = {str(dtype): weight_checksum(weight.to(dtype), probe).cpu() for dtype in dtypes}
+        measured = self.engine.verify(expected, seed, self.drift_bound)
+        return {"drift_within_bound": 1.0} if measured is None else measured
+
+    def _finish(self, kind: str, sent: int, started: float, engine_seconds: float | None) -> dict:
         """``seconds``: the whole sync as the trainer waits for it; ``engine_seconds``: the engine's
-        part (decode, regenerate ``A``, merge, reload)."""
+        part (decode, regenerate ``A``, merge, reload), ``None`` where the engine cannot say (a server)."""
         self.engine.reset_prefix_cache()
         self.stats = {
             "kind": kind,
