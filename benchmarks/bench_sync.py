@@ -160,6 +160,7 @@ def worker(spec: dict) -> dict:
             compressed.append(sync.sync())
         assert all(s["kind"] == "compressed" for s in compressed)
         drift = sync.drift()
+        status = sync.engine.call("logra_status")[0] if spec["mode"] == "colocate" else {}
 
         # Sparse delta from here on (the engine holds the trainer's weights): what changed in the
         # engine's dtype since the last sync. Updates still go to the recorder, never sent.
@@ -222,6 +223,9 @@ def worker(spec: dict) -> dict:
         "targets_bf16_sync_bytes": median(targets_full, "bytes"),
         "targets_bf16_sync_seconds": median(targets_full, "seconds"),
         "drift": drift,
+        "engine_mode": status.get("mode"),  # the server's backend cannot report these
+        "engine_dtype_reported": status.get("dtype"),
+        "shadow_bytes": status.get("shadow_bytes"),
     }
 
 

@@ -240,9 +240,9 @@ def _use_compressed_vllm_sync(trainer: Trainer, callback: LoGRACallback, options
         return
     if generation.mode != "colocate":
         warnings.warn(
-            "attach_logra: compressed vLLM sync needs vllm_mode='colocate' (TRL's server, `trl vllm-serve`, only "
-            "accepts full weights); keeping TRL's full sync. For a server, use VLLMSync with a vLLM server started "
-            "with --worker-extension-cls logra_optim.integrations.vllm.LoGRAWorkerExtension",
+            "attach_logra: compressed vLLM sync needs vllm_mode='colocate' (TRL's server mode sends full weights "
+            "over its own NCCL group); keeping TRL's full sync. For a server in your own loop, use VLLMSync with "
+            "a vLLM server started with --weight-transfer-config '{\"backend\": \"logra\"}'",
             stacklevel=3,
         )
         return

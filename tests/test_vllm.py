@@ -399,6 +399,9 @@ def test_stock_vllm_serve_with_the_logra_backend(policy_path, tmp_path):
         with pytest.raises(urllib.error.HTTPError) as refused:
             _post(url, "/init_weight_transfer_engine", {"init_info": {"protocol": 999, "targets": []}})
         assert "trainer speaks protocol 999" in refused.value.read().decode()
+        with pytest.raises(urllib.error.HTTPError) as refused:  # a trainer model that does not map
+            _post(url, "/init_weight_transfer_engine", {"init_info": {"protocol": 1, "targets": ["lm.fc.weight"]}})
+        assert "'lm.fc.weight' (the engine's are like model.layers.0" in refused.value.read().decode()
         assert max_difference(_server_logprobs(url, policy_path), served) == 0.0
 
         # A copy that went wrong (here: a target loaded with other values) fails the engine-side check.
