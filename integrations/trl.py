@@ -18,6 +18,12 @@ parameters that require grad (LoGRA's targets do not) and builds no engine witho
 trainer's optimizer is the one of the trainable non-targets (``non_target_optimizer``), and LoGRA runs
 beside the engine, built when training starts and stepped from the callback; its state is saved as
 ``logra_optimizer.pt`` in each checkpoint and restored on resume.
+
+With vLLM, ``use_vllm=True``: colocated, the engine's sync becomes the compressed one. In server mode
+(``vllm_mode="server"``) against a vLLM server running the ``logra`` weight-transfer backend, too:
+importing this module teaches TRL's ``VLLMClient`` that backend (:func:`_teach_trl_the_logra_backend`;
+the trainer opens its weight channel when it is built, after the imports and before ``attach_logra``).
+Against a server with TRL's ``nccl`` backend nothing changes and TRL's full sync is kept, with a warning.
 """
 
 from __future__ import annotations
@@ -33,6 +39,9 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import SchedulerType
 
 from logra_optim import LoGRAOptimizer, patch_model, patched_modules
+from logra_optim.distributed import REPLICATED
+from logra_optim.integrations.vllm.plugin import BACKEND
+from logra_optim.integrations.vllm.trainer import START_SERVER, VLLMServer, server_backend
 
 __all__ = ["attach_logra", "LoGRACallback", "mismatch_mask"]
 
@@ -238,14 +247,21 @@ def _use_compressed_vllm_sync(trainer: Trainer, callback: LoGRACallback, options
     generation = getattr(trainer, "vllm_generation", None)
     if generation is None:
         return
-    if generation.mode != "colocate":
-        warnings.warn(
-            "attach_logra: compressed vLLM sync needs vllm_mode='colocate' (TRL's server mode sends full weights "
-            "over its own NCCL group); keeping TRL's full sync. For a server in your own loop, use VLLMSync with "
-            "a vLLM server started with --weight-transfer-config '{\"backend\": \"logra\"}'",
-            stacklevel=3,
-        )
-        return
+    if generation.mode == "server":
+        client = getattr(generation, "vllm_client", None)  # the main process's; the others never send
+        if client is None:
+            return
+        if not getattr(client, "logra_server", False):
+            warnings.warn(
+                f"attach_logra: the vLLM server at {client.base_url} does not run the logra weight-transfer "
+                "backend, so it only takes full weights over TRL's NCCL group; keeping TRL's full sync. For "
+                f"compressed syncs, {START_SERVER}",
+                stacklevel=3,
+            )
+            return
+        engine = client.base_url
+    else:
+        engine = generation.llm
     full_sync = generation.sync_weights
     holder = callback.vllm_sync
 
@@ -253,14 +269,25 @@ def _use_compressed_vllm_sync(trainer: Trainer, callback: LoGRACallback, options
         optimizer = callback.optimizer
         if optimizer is None:  # no LoGRA optimizer yet: nothing to record updates from
             return full_sync()
+        if engine is not generation.llm and any(target.layout.kind != REPLICATED for target in optimizer.targets):
+            if not holder.get("warned_sharded"):
+                holder["warned_sharded"] = True
+                warnings.warn(
+                    "attach_logra: compressed sync to a vLLM server is not supported with a sharded trainer "
+                    "(FSDP2, ZeRO-3: only the main process talks to the server); keeping TRL's full sync",
+                    stacklevel=2,
+                )
+            return full_sync()
         sync = holder.get("sync")
         if sync is None or sync.optimizer is not optimizer:  # first sync, or a rebuilt optimizer
             if sync is not None:
                 sync.close()
             sync = holder["sync"] = VLLMSync(
-                optimizer, generation.llm, named_parameters=generation._iter_named_params, **options
+                optimizer, engine, named_parameters=generation._iter_named_params, **options
             )
-        if generation.enable_sleep_mode:  # TRL sleeps at level 2 after generating: the weights are gone
+        if (
+            engine is generation.llm and generation.enable_sleep_mode
+        ):  # TRL sleeps at level 2 after generating: the weights are gone
             generation.llm.wake_up(tags=["weights"])
             generation._llm_weights_sleeping = False
             sync.mark_weights_discarded()
@@ -391,3 +418,42 @@ def _add_stats_to_logs(trainer: Trainer, callback: LoGRACallback) -> None:
         return log(logs, *args, **kwargs)
 
     trainer.log = log_with_logra_stats
+
+
+def _teach_trl_the_logra_backend() -> None:
+    """TRL's server mode opens an NCCL group between the trainer and a vLLM server (CUDA only) and
+    broadcasts full weights into it. A server running the ``logra`` weight-transfer backend takes
+    neither: against one, ``VLLMClient.init_communicator`` opens no group and marks the client
+    (``client.logra_server``), and ``update_named_params`` sends full weights inside the update request
+    (what TRL's sync sends before ``attach_logra``'s compressed sync takes over, or with
+    ``vllm_sync="full"``). Any other server keeps TRL's own behaviour. Runs once, on import of this
+    module, so that a trainer built afterwards uses it."""
+    try:
+        from trl.generation.vllm_client import VLLMClient
+    except ImportError:  # a TRL without server mode, or without vLLM
+        return
+    if getattr(VLLMClient.init_communicator, "logra_aware", False):
+        return
+    init_communicator, update_named_params = VLLMClient.init_communicator, VLLMClient.update_named_params
+
+    def logra_init_communicator(client, device=0):
+        try:
+            backend = server_backend(client.base_url)
+        except RuntimeError:
+            backend = None  # no weight-transfer endpoints: TRL's own code says so
+        if backend != BACKEND:
+            return init_communicator(client, device)
+        client.logra_server, client.communicator = True, None
+
+    def logra_update_named_params(client, metadata, named_params):
+        if not getattr(client, "logra_server", False):
+            return update_named_params(client, metadata, named_params)
+        weights = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in named_params]
+        VLLMServer(client.base_url, []).full_sync(weights, 0, "float32")
+
+    logra_init_communicator.logra_aware = True
+    VLLMClient.init_communicator = logra_init_communicator
+    VLLMClient.update_named_params = logra_update_named_params
+
+
+_teach_trl_the_logra_backend()

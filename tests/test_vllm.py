@@ -355,73 +355,114 @@ def _post(url: str, path: str, body: dict) -> dict:
     return json.load(urllib.request.urlopen(request))
 
 
+@pytest.fixture(scope="module")
+def logra_server(policy_path, tmp_path_factory):
+    """One stock server with the ``logra`` backend for the tests below, started with the options
+    TRL's ``trl vllm-serve`` adds (log-probs after sampling processing, no log-prob limit)."""
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    backend = ["--weight-transfer-config", '{"backend": "logra"}']
+    server, url = _start_server(
+        policy_path, log_path, *backend, "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1"
+    )
+    yield url
+    server.terminate()
+    server.wait(timeout=60)
+
+
 @pytest.mark.slow
-def test_stock_vllm_serve_with_the_logra_backend(policy_path, tmp_path):
+def test_stock_vllm_serve_with_the_logra_backend(policy_path, logra_server):
     """``vllm serve --weight-transfer-config '{"backend": "logra"}'``, no extension, no RPC endpoint
     used: a full sync, then 10 compressed syncs of real LoGRA updates through vLLM's own
     ``/update_weights``, the served log-probs equal to the trainer's after each; the drift check on
     the engine passes, and catches a corrupted copy; bad payloads and a protocol mismatch are refused
     with the served model unchanged."""
-    server, url = _start_server(
-        policy_path, tmp_path / "server.log", "--weight-transfer-config", '{"backend": "logra"}'
-    )
-    try:
-        model, optimizer = _trainer(seed=4)
-        sync = VLLMSync(optimizer, url, check_every=5)
-        assert sync.sync()["kind"] == "full"
-        assert max_difference(_server_logprobs(url, policy_path), trainer_logprobs(model)) < 1e-4
-        generator = torch.Generator().manual_seed(4)
-        for step in range(1, 11):
-            train_step(model, optimizer, generator)
+    url = logra_server
+    model, optimizer = _trainer(seed=4)
+    sync = VLLMSync(optimizer, url, check_every=5)
+    assert sync.sync()["kind"] == "full"
+    assert max_difference(_server_logprobs(url, policy_path), trainer_logprobs(model)) < 1e-4
+    generator = torch.Generator().manual_seed(4)
+    for step in range(1, 11):
+        train_step(model, optimizer, generator)
+        stats = sync.sync()
+        assert stats["kind"] == "compressed" and stats["engine_seconds"] is None
+        assert 0 < stats["bytes"] < sync.history[0]["bytes"] / 4
+        assert max_difference(_server_logprobs(url, policy_path), trainer_logprobs(model)) < 1e-4, step
+        if step % 5 == 0:
+            assert stats["drift_within_bound"] == 1.0
+    weight_version = json.load(urllib.request.urlopen(url + "/weight_info"))["weight_version"]
+    assert weight_version == str(optimizer.update_index) == "10"
+
+    served = _server_logprobs(url, policy_path)
+    skipped = SyncPayload(optimizer.rank, optimizer.projection, (Update(12, ()),))
+    with pytest.raises(RuntimeError, match="engine is at update 10"):
+        sync.engine.apply(skipped.encode())
+    target = optimizer.targets[0]
+    out_features, in_features = target.weight.shape
+    factor = torch.zeros(out_features, optimizer.rank, dtype=torch.bfloat16)
+    unknown = TargetUpdate("model.layers.0.no_such_proj.weight", 0, in_features, factor)
+    with pytest.raises(RuntimeError, match="not a linear weight of this engine"):
+        sync.engine.apply(SyncPayload(optimizer.rank, optimizer.projection, (Update(11, (unknown,)),)).encode())
+    _post(url, "/start_weight_update", {})
+    with pytest.raises(urllib.error.HTTPError) as refused:  # ends the update session
+        _post(url, "/update_weights", {"update_info": {"kind": "merge", "data": ""}})
+    assert "update kind must be one of full, load, apply, verify, patch" in refused.value.read().decode()
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        _post(url, "/init_weight_transfer_engine", {"init_info": {"protocol": 999, "targets": []}})
+    assert "trainer speaks protocol 999" in refused.value.read().decode()
+    with pytest.raises(urllib.error.HTTPError) as refused:  # a trainer model that does not map
+        _post(url, "/init_weight_transfer_engine", {"init_info": {"protocol": 1, "targets": ["lm.fc.weight"]}})
+    assert "'lm.fc.weight' (the engine's are like model.layers.0" in refused.value.read().decode()
+    assert max_difference(_server_logprobs(url, policy_path), served) == 0.0
+
+    # A copy that went wrong (here: a target loaded with other values) fails the engine-side check.
+    name = target.parameter_name
+    sync.engine.load([(name, target.weight.detach() * 1.01)])
+    measured = sync.drift()
+    assert measured["drift"] > sync.drift_bound, measured
+    # The next scheduled check (every 5th compressed sync) finds it and the sync falls back to full.
+    for _ in range(5):
+        train_step(model, optimizer, generator)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             stats = sync.sync()
-            assert stats["kind"] == "compressed" and stats["engine_seconds"] is None
-            assert 0 < stats["bytes"] < sync.history[0]["bytes"] / 4
-            assert max_difference(_server_logprobs(url, policy_path), trainer_logprobs(model)) < 1e-4, step
-            if step % 5 == 0:
-                assert stats["drift_within_bound"] == 1.0
-        weight_version = json.load(urllib.request.urlopen(url + "/weight_info"))["weight_version"]
-        assert weight_version == str(optimizer.update_index) == "10"
+    assert stats["kind"] == "full" and stats["drift_before"] > sync.drift_bound, stats
+    assert any("exceeds the bound; full sync" in str(w.message) for w in caught)
+    assert sync.drift() == {"drift_within_bound": 1.0}
+    assert max_difference(_server_logprobs(url, policy_path), trainer_logprobs(model)) < 1e-4
 
-        served = _server_logprobs(url, policy_path)
-        skipped = SyncPayload(optimizer.rank, optimizer.projection, (Update(12, ()),))
-        with pytest.raises(RuntimeError, match="engine is at update 10"):
-            sync.engine.apply(skipped.encode())
-        target = optimizer.targets[0]
-        out_features, in_features = target.weight.shape
-        factor = torch.zeros(out_features, optimizer.rank, dtype=torch.bfloat16)
-        unknown = TargetUpdate("model.layers.0.no_such_proj.weight", 0, in_features, factor)
-        with pytest.raises(RuntimeError, match="not a linear weight of this engine"):
-            sync.engine.apply(SyncPayload(optimizer.rank, optimizer.projection, (Update(11, (unknown,)),)).encode())
-        _post(url, "/start_weight_update", {})
-        with pytest.raises(urllib.error.HTTPError) as refused:  # ends the update session
-            _post(url, "/update_weights", {"update_info": {"kind": "merge", "data": ""}})
-        assert "update kind must be one of full, load, apply, verify, patch" in refused.value.read().decode()
-        with pytest.raises(urllib.error.HTTPError) as refused:
-            _post(url, "/init_weight_transfer_engine", {"init_info": {"protocol": 999, "targets": []}})
-        assert "trainer speaks protocol 999" in refused.value.read().decode()
-        with pytest.raises(urllib.error.HTTPError) as refused:  # a trainer model that does not map
-            _post(url, "/init_weight_transfer_engine", {"init_info": {"protocol": 1, "targets": ["lm.fc.weight"]}})
-        assert "'lm.fc.weight' (the engine's are like model.layers.0" in refused.value.read().decode()
-        assert max_difference(_server_logprobs(url, policy_path), served) == 0.0
 
-        # A copy that went wrong (here: a target loaded with other values) fails the engine-side check.
-        name = target.parameter_name
-        sync.engine.load([(name, target.weight.detach() * 1.01)])
-        measured = sync.drift()
-        assert measured["drift"] > sync.drift_bound, measured
-        # The next scheduled check (every 5th compressed sync) finds it and the sync falls back to full.
-        for _ in range(5):
-            train_step(model, optimizer, generator)
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                stats = sync.sync()
-        assert stats["kind"] == "full" and stats["drift_before"] > sync.drift_bound, stats
-        assert any("exceeds the bound; full sync" in str(w.message) for w in caught)
-        assert sync.drift() == {"drift_within_bound": 1.0}
-        assert max_difference(_server_logprobs(url, policy_path), trainer_logprobs(model)) < 1e-4
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
+@pytest.mark.slow
+def test_grpo_in_trl_server_mode_syncs_compressed_and_learns(policy_path, logra_server, tmp_path):
+    """TRL's server mode (``vllm_mode="server"``) against the server above, with the same two lines
+    as any TRL script: no NCCL group (none exists on a CPU), one full sync, then compressed syncs
+    through the ``logra`` backend; the served model ends equal to the trainer's, and the reward rises."""
+    from logra_optim.integrations.trl import attach_logra
+
+    trainer = trl_setup.build_trainer(
+        "grpo",
+        policy_path,
+        tmp_path,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=logra_server,
+        max_steps=30,
+        per_device_train_batch_size=32,
+        lr_scheduler_type="constant",
+    )
+    assert trainer.vllm_generation.vllm_client.logra_server
+    callback = attach_logra(trainer, **trl_setup.LOGRA_KWARGS)
+    trainer.train()
+    sync = callback.vllm_sync["sync"]
+    sync.sync()  # bring the server to the last update, then compare
+    kinds = [h["kind"] for h in sync.history]
+    assert kinds[0] == "full" and set(kinds[1:]) == {"compressed"} and len(kinds) >= 30, kinds
+    assert max(h["bytes"] for h in sync.history[1:]) < 0.2 * sync.history[0]["bytes"]
+    assert json.load(urllib.request.urlopen(logra_server + "/weight_info"))["weight_version"] == "30"
+    model = trainer.model.eval()
+    assert max_difference(_server_logprobs(logra_server, policy_path), trainer_logprobs(model)) < 1e-4
+    rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.15, rewards
 
 
 def test_a_server_without_the_weight_transfer_api_is_a_clear_error(tmp_path):

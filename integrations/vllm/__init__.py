@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .engine import EXTENSION, EngineUpdater, LoGRAWorkerExtension, engine_placements
     from .placement import Placement, column_parallel_placements, row_parallel_placement
-    from .trainer import VLLMSync
+    from .trainer import ServerError, VLLMServer, VLLMSync, server_backend
 
 # Where each public name lives (``__all__`` below lists the same names, for readers and linters).
 _HOMES = {
@@ -36,6 +36,9 @@ _HOMES = {
     "column_parallel_placements": "placement",
     "row_parallel_placement": "placement",
     "VLLMSync": "trainer",
+    "VLLMServer": "trainer",
+    "ServerError": "trainer",
+    "server_backend": "trainer",
 }
 
 __all__ = [
@@ -43,10 +46,13 @@ __all__ = [
     "EngineUpdater",
     "LoGRAWorkerExtension",
     "Placement",
+    "ServerError",
+    "VLLMServer",
     "VLLMSync",
     "column_parallel_placements",
     "engine_placements",
     "row_parallel_placement",
+    "server_backend",
 ]
 
 

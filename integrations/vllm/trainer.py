@@ -5,7 +5,7 @@ sends it to the engine's workers as a :class:`~logra_optim.sync.SyncPayload` and
 between the two copies, falling back to full weights when that is smaller or safer. It reaches the
 workers through one of two transports with the same methods (``full_sync``, ``apply``, ``load``,
 ``patch``, ``whole_only``): :class:`_Colocated` for an ``LLM`` object of this process (the worker extension,
-``collective_rpc``), :class:`_Server` for a vLLM server with the ``logra`` weight-transfer backend
+``collective_rpc``), :class:`VLLMServer` for a vLLM server with the ``logra`` weight-transfer backend
 (vLLM's own ``/update_weights`` endpoints). Everything it needs from the optimizer comes from its public read-only view:
 ``optimizer.model`` and ``optimizer.targets``.
 """
@@ -39,7 +39,7 @@ from . import wire
 from .engine import DRIFT_MARKER, EXTENSION, LEGACY_EXTENSION, LoGRAWorkerExtension
 from .plugin import BACKEND, PROTOCOL
 
-__all__ = ["VLLMSync"]
+__all__ = ["ServerError", "VLLMServer", "VLLMSync", "server_backend"]
 
 
 def _cpu_copies(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
@@ -111,7 +111,20 @@ class ServerError(RuntimeError):
         super().__init__(f"vLLM server {url}: HTTP {status}: {self.message[:4000]}")
 
 
-class _Server:
+# How to start a server that accepts LoGRA syncs (said by every error about a server that does not).
+START_SERVER = (
+    "start it with VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config "
+    f"'{json.dumps({'backend': BACKEND})}'"
+)
+
+
+def server_backend(url: str, timeout: float = 60.0) -> str | None:
+    """The weight-transfer backend a vLLM server runs (``None``: none configured); raises
+    :class:`RuntimeError` when the server does not offer vLLM's weight-transfer endpoints."""
+    return VLLMServer(url, [], timeout).config()[0]
+
+
+class VLLMServer:
     """A vLLM server with the ``logra`` weight-transfer backend, driven through vLLM's own endpoints
     (:mod:`.backend`): each sync is ``/start_weight_update``, one or two ``/update_weights`` with the
     data inside the request, and ``/finish_weight_update`` with the update index as the weight
@@ -138,28 +151,31 @@ class _Server:
             raise RuntimeError(f"vLLM server {self.url}: cannot reach it ({error.reason})") from error
         return json.loads(text) if text else None
 
-    def initialise(self) -> None:
-        """Check that the server runs the ``logra`` backend, then hand it the protocol version and the
-        target names (the engine refuses names it cannot update by factors). Once per server."""
-        if self.model_dtype is not None:
-            return
-        config_flag = json.dumps({"backend": BACKEND})
-        start = f"start it with VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config '{config_flag}'"
+    def config(self) -> tuple[str | None, torch.dtype]:
+        """The server's weight-transfer backend and model dtype (from ``/server_info``)."""
         try:
             config = self._request("/server_info?config_format=json", method="GET")["vllm_config"]
         except ServerError as error:
             raise RuntimeError(
                 f"vLLM server {self.url} does not offer vLLM's weight-transfer endpoints (GET /server_info: HTTP "
-                f"{error.status}); {start}"
+                f"{error.status}); {START_SERVER}"
             ) from error
         backend = (config.get("weight_transfer_config") or {}).get("backend")
+        return backend, wire.dtype(config["model_config"]["dtype"])
+
+    def initialise(self) -> None:
+        """Check that the server runs the ``logra`` backend, then hand it the protocol version and the
+        target names (the engine refuses names it cannot update by factors). Once per server."""
+        if self.model_dtype is not None:
+            return
+        backend, model_dtype = self.config()
         if backend != BACKEND:
             raise RuntimeError(
                 f"vLLM server {self.url} runs weight-transfer backend {backend!r}, not {BACKEND!r}: LoGRA syncs need "
-                f"logra-optim installed beside the server and {start}"
+                f"logra-optim installed beside the server and {START_SERVER}"
             )
         self._request("/init_weight_transfer_engine", {"init_info": {"protocol": PROTOCOL, "targets": self.targets}})
-        self.model_dtype = wire.dtype(config["model_config"]["dtype"])
+        self.model_dtype = model_dtype
 
     def _update(self, info: dict, version: int | None = None) -> int:
         """One ``/update_weights`` between start and finish; returns the bytes of its data."""
@@ -254,7 +270,7 @@ class VLLMSync:
             check_every = 0
         self.optimizer = optimizer
         if isinstance(engine, str):
-            self.engine = _Server(engine, [target.parameter_name for target in optimizer.targets])
+            self.engine = VLLMServer(engine, [target.parameter_name for target in optimizer.targets])
         else:
             self.engine = _Colocated(engine)
         self.named_parameters = named_parameters or self._model_parameters
@@ -390,7 +406,7 @@ class VLLMSync:
         seed = self.syncs if seed is None else seed
         whole = {name for name, _ in self._whole or ()}
         targets = [target for target in self.optimizer.targets if target.parameter_name not in whole]
-        if isinstance(self.engine, _Server):
+        if isinstance(self.engine, VLLMServer):
             return self._drift_on_server(targets, seed)
         names = json.dumps([target.parameter_name for target in targets])
         results = self.engine.checksums(names, seed)
