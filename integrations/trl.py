@@ -247,7 +247,8 @@ def _use_compressed_vllm_sync(trainer: Trainer, callback: LoGRACallback, options
     generation = getattr(trainer, "vllm_generation", None)
     if generation is None:
         return
-    if generation.mode == "server":
+    server = generation.mode == "server"
+    if server:
         client = getattr(generation, "vllm_client", None)  # the main process's; the others never send
         if client is None:
             return
@@ -269,7 +270,7 @@ def _use_compressed_vllm_sync(trainer: Trainer, callback: LoGRACallback, options
         optimizer = callback.optimizer
         if optimizer is None:  # no LoGRA optimizer yet: nothing to record updates from
             return full_sync()
-        if engine is not generation.llm and any(target.layout.kind != REPLICATED for target in optimizer.targets):
+        if server and any(target.layout.kind != REPLICATED for target in optimizer.targets):
             if not holder.get("warned_sharded"):
                 holder["warned_sharded"] = True
                 warnings.warn(
@@ -285,9 +286,7 @@ def _use_compressed_vllm_sync(trainer: Trainer, callback: LoGRACallback, options
             sync = holder["sync"] = VLLMSync(
                 optimizer, engine, named_parameters=generation._iter_named_params, **options
             )
-        if (
-            engine is generation.llm and generation.enable_sleep_mode
-        ):  # TRL sleeps at level 2 after generating: the weights are gone
+        if not server and generation.enable_sleep_mode:  # TRL sleeps at level 2 after generating: weights gone
             generation.llm.wake_up(tags=["weights"])
             generation._llm_weights_sleeping = False
             sync.mark_weights_discarded()
