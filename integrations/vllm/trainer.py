@@ -3,7 +3,7 @@
 :class:`VLLMSync` records what the optimizer merges (an :class:`~logra_optim.sync.UpdateRecorder`),
 sends it to the engine's workers as a :class:`~logra_optim.sync.SyncPayload` and watches the drift
 between the two copies, falling back to full weights when that is smaller or safer. It reaches the
-workers through one of two transports with the same methods (``full_sync``, ``apply``, ``load``,
+workers through one of two transports with the same methods (``full_sync``, ``update``, ``load``,
 ``patch``, ``whole_only``): :class:`_Colocated` for an ``LLM`` object of this process (the worker extension,
 ``collective_rpc``), :class:`VLLMServer` for a vLLM server with the ``logra`` weight-transfer backend
 (vLLM's own ``/update_weights`` endpoints). Everything it needs from the optimizer comes from its public read-only view:
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import urllib.error
 import urllib.request
@@ -76,8 +77,14 @@ class _Colocated:
     def whole_only(self) -> set[str]:
         return set(self.call("logra_status")[0]["whole_only"])
 
-    def apply(self, payload: bytes) -> tuple[int, float]:
-        return len(payload), self.call("logra_apply", payload)[0]["seconds"]
+    def update(self, payload: bytes | None, weights: list | None, index: int) -> tuple[int, float]:
+        """One compressed sync: the payload's factors, then the tensors sent whole."""
+        sent, seconds = 0, 0.0
+        if payload is not None:
+            sent, seconds = len(payload), self.call("logra_apply", payload)[0]["seconds"]
+        if weights:
+            sent += self.load(weights)
+        return sent, seconds
 
     def load(self, weights) -> int:
         data, sent = self._weights(weights)
@@ -124,6 +131,24 @@ def server_backend(url: str, timeout: float = 60.0) -> str | None:
     return VLLMServer(url, [], timeout).config()[0]
 
 
+def _chunks(weights: list[tuple[str, torch.Tensor]], limit: int) -> Iterable[list[tuple[str, torch.Tensor]]]:
+    """``weights`` in consecutive lists of at most ``limit`` bytes, never splitting a decoder layer
+    (``….layers.N.…``) or a module's tensors; a group larger than ``limit`` goes alone."""
+    groups: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in weights:
+        layer = re.match(r"(.*?\.layers\.\d+)\.", name)
+        groups.setdefault(layer.group(1) if layer else name.rpartition(".")[0], []).append((name, tensor))
+    chunk, size = [], 0
+    for group in groups.values():
+        group_size = sum(t.numel() * t.element_size() for _, t in group)
+        if chunk and size + group_size > limit:
+            yield chunk
+            chunk, size = [], 0
+        chunk, size = chunk + group, size + group_size
+    if chunk:
+        yield chunk
+
+
 class VLLMServer:
     """A vLLM server with the ``logra`` weight-transfer backend, driven through vLLM's own endpoints
     (:mod:`.backend`): each sync is ``/start_weight_update``, one or two ``/update_weights`` with the
@@ -131,8 +156,8 @@ class VLLMServer:
     version (``GET /weight_info`` reads it back). The endpoints return no data: the engine's timing
     is not known here, and the drift check runs on the engine (:meth:`verify`)."""
 
-    def __init__(self, url: str, targets: list[str], timeout: float = 600.0):
-        self.url, self.targets, self.timeout = url.rstrip("/"), targets, timeout
+    def __init__(self, url: str, targets: list[str], timeout: float = 600.0, chunk_bytes: int = 256 * 2**20):
+        self.url, self.targets, self.timeout, self.chunk_bytes = url.rstrip("/"), targets, timeout, chunk_bytes
         self.model_dtype: torch.dtype | None = None  # known once initialised
 
     def _request(self, path: str, body: dict | None = None, method: str = "POST"):
@@ -177,35 +202,62 @@ class VLLMServer:
         self._request("/init_weight_transfer_engine", {"init_info": {"protocol": PROTOCOL, "targets": self.targets}})
         self.model_dtype = model_dtype
 
-    def _update(self, info: dict, version: int | None = None) -> int:
-        """One ``/update_weights`` between start and finish; returns the bytes of its data."""
+    def _session(self, infos: Iterable[dict], version: int | None = None) -> int:
+        """One update session: ``/start_weight_update``, one ``/update_weights`` per info (made as it is
+        sent), ``/finish_weight_update`` with ``version`` as vLLM's weight version; returns the bytes
+        sent. vLLM ends the session itself when it refuses an update; after any other failure (a
+        timeout, a lost connection) it is closed here where possible. Either way the next call
+        initialises the server again, which may have restarted."""
         self.initialise()
         self._request("/start_weight_update")
-        self._request("/update_weights", {"update_info": info})  # a refused update ends the session in vLLM
+        sent = 0
+        try:
+            for info in infos:
+                self._request("/update_weights", {"update_info": info})
+                sent += len(info["data"])
+        except BaseException as error:
+            self.model_dtype = None
+            if not isinstance(error, ServerError):
+                try:
+                    self._request("/finish_weight_update")
+                except (RuntimeError, OSError):
+                    pass  # already closed, or the server is gone
+            raise
         self._request("/finish_weight_update", {} if version is None else {"weight_version": str(version)})
-        return len(info["data"])
+        return sent
 
     def full_sync(self, weights, update_index: int, shadow_dtype: str) -> tuple[int, None]:
-        info = {"kind": "full", "data": wire.dump(dict(weights)), "update_index": update_index}
-        return self._update({**info, "shadow_dtype": shadow_dtype}, update_index), None
+        """Full weights in requests of at most :attr:`chunk_bytes` (whole decoder layers or modules
+        per request, so that the engine never reloads half of a fused layer), one session."""
+        infos = (
+            {"kind": "full", "data": wire.dump(dict(chunk)), "update_index": update_index, "shadow_dtype": shadow_dtype}
+            for chunk in _chunks(weights, self.chunk_bytes)
+        )
+        return self._session(infos, update_index), None
 
     def whole_only(self) -> set[str]:
         return set()  # refused when the engine was initialised (see EngineUpdater.check_targets)
 
-    def apply(self, payload: bytes) -> tuple[int, None]:
-        index = SyncPayload.decode(payload).last_index
-        return self._update({"kind": "apply", "data": wire.to_wire(payload)}, index), None
+    def update(self, payload: bytes | None, weights: list | None, index: int) -> tuple[int, None]:
+        """One compressed sync in one session: the payload's factors, then the tensors sent whole."""
+        infos = []
+        if payload is not None:
+            infos.append({"kind": "apply", "data": wire.to_wire(payload)})
+        if weights:
+            infos.append({"kind": "load", "data": wire.dump(dict(weights))})
+        return self._session(infos, index), None
 
     def load(self, weights) -> int:
-        return self._update({"kind": "load", "data": wire.dump(dict(weights))})
+        return self._session([{"kind": "load", "data": wire.dump(dict(weights))}])
 
     def patch(self, patches: dict) -> tuple[int, None]:
-        return self._update({"kind": "patch", "data": wire.dump(patches)}), None
+        return self._session([{"kind": "patch", "data": wire.dump(patches)}]), None
 
     def verify(self, expected: dict, seed: int, drift_bound: float) -> dict | None:
         """``None`` when the engine found its weights within the bound; otherwise what it measured."""
         try:
-            self._update({"kind": "verify", "data": wire.dump(expected), "seed": seed, "drift_bound": drift_bound})
+            info = {"kind": "verify", "data": wire.dump(expected), "seed": seed, "drift_bound": drift_bound}
+            self._session([info])
         except ServerError as error:
             message = error.message
             if DRIFT_MARKER not in message:
@@ -357,12 +409,10 @@ class VLLMSync:
             return self._logged(self.full_sync())  # many updates since the last sync: full weights are smaller
         started = time.perf_counter()
         payload = _without(self.recorder.drain(), {name for name, _ in self._whole})
-        sent, engine_seconds = 0, 0.0
         self.needs_full = True  # until the engine has confirmed: a failed sync loses the drained updates
-        if payload is not None:
-            sent, engine_seconds = self.engine.apply(payload.encode())
-        if self._non_targets or self._whole:
-            sent += self.engine.load(self._tensors_sent_whole())
+        whole = self._tensors_sent_whole() if self._non_targets or self._whole else None
+        encoded = None if payload is None else payload.encode()
+        sent, engine_seconds = self.engine.update(encoded, whole, self.optimizer.update_index)
         self.needs_full = False
         stats = self._finish("compressed", sent, started, engine_seconds)
         self.compressed_since_check += 1

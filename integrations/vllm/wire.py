@@ -1,10 +1,10 @@
 """How values cross between the trainer and the vLLM workers; imported by both sides.
 
-``collective_rpc`` on an ``LLM`` of this process passes Python objects, but vLLM's server endpoint
-``POST /collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``) passes JSON: its arguments arrive as strings
-and the results must be JSON-able. So anything binary (a :class:`~logra_optim.sync.SyncPayload`,
-a state dict, checksums) travels as base64 of ``torch.save`` bytes, and every receiving function
-accepts either the bytes or their base64 text. Dtypes travel by name.
+``collective_rpc`` on an ``LLM`` of this process passes Python objects, but a server's update
+requests (vLLM's ``/update_weights``, :mod:`.backend`) carry JSON. So anything binary (a
+:class:`~logra_optim.sync.SyncPayload`, a state dict, checksums) travels as base64 of
+``torch.save`` bytes, and every receiving function accepts either the bytes or their base64 text.
+Dtypes travel by name.
 """
 
 from __future__ import annotations
@@ -38,4 +38,7 @@ def load(data: bytes | str):
 
 def dtype(name: str) -> torch.dtype:
     """A dtype from its name, with or without the ``torch.`` of ``str(dtype)``."""
-    return getattr(torch, str(name).removeprefix("torch."))
+    found = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(found, torch.dtype):
+        raise ValueError(f"not a torch dtype: {name!r}")
+    return found
