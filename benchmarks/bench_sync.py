@@ -59,7 +59,7 @@ def parse_args(argv=None):
     parser.add_argument("--ranks", nargs="+", type=int, default=[8, 32, 128])
     parser.add_argument("--modes", nargs="+", default=["colocate"], choices=MODES)
     parser.add_argument("--engine-dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--markdown", help="write a table here")
     return parser.parse_args(argv)

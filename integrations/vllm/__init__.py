@@ -2,15 +2,16 @@
 
 The sync spans two processes, and the code is split the same way:
 
-* :mod:`.engine` runs inside every vLLM worker: :class:`LoGRAWorkerExtension` (install it with
-  ``LLM(..., worker_extension_cls=EXTENSION)`` or ``--worker-extension-cls`` plus the value of
-  :data:`EXTENSION` for a server) hands each call to the worker's :class:`EngineUpdater`, which
-  regenerates every target's ``A`` from the seed and applies ``W ← W − F A`` (docs/method.md §4).
+* :mod:`.engine` runs inside every vLLM worker: :class:`EngineUpdater` regenerates every target's
+  ``A`` from the seed and applies ``W ← W − F A`` (docs/method.md §4). Two front ends hand it the
+  updates: :class:`LoGRAWorkerExtension` for an ``LLM`` object
+  (``LLM(..., worker_extension_cls=EXTENSION)``, ``collective_rpc``), and for a server the ``logra``
+  backend of vLLM's weight-transfer API (:mod:`.backend`, registered by :mod:`.plugin`).
 * :mod:`.trainer` runs beside the optimizer: :class:`VLLMSync` records what the optimizer merges,
   sends it as a :class:`~logra_optim.sync.SyncPayload` and watches the drift between the copies.
 * :mod:`.placement` is the pure geometry both rely on: which rows and columns of a Hugging Face
   matrix a fused, tensor-parallel engine layer holds. :mod:`.wire` is how values cross between
-  the two sides (base64 text over a server's HTTP RPC).
+  the two sides (base64 text inside a server's update requests).
 
 The names below are loaded on first use, so that a vLLM worker importing :mod:`.engine` (which
 imports this package first) loads neither the trainer side nor anything else it does not need.

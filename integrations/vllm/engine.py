@@ -1,7 +1,7 @@
 """The engine side of the vLLM sync: runs inside every vLLM worker process.
 
 vLLM imports :class:`LoGRAWorkerExtension` by its dotted path, :data:`EXTENSION`
-(``LLM(..., worker_extension_cls=EXTENSION)``, or ``--worker-extension-cls`` for a server), in each
+(``LLM(..., worker_extension_cls=EXTENSION)``; a server uses :mod:`.backend` instead), in each
 worker; so this module imports only what applying an update needs, never the trainer side. Each
 worker keeps one :class:`EngineUpdater`, which regenerates every target's ``A`` from the seed and
 applies ``W ← W − F A`` (docs/method.md §4). How depends on where the engine's weights live:
