@@ -4,9 +4,9 @@ and the interpreter's.
 
 For each method, in a fresh process: ``logra demo``'s own worker (``demo.run_worker``) for
 ``--steps`` GRPO updates from the demo's warm start, with TRL's ``train()`` run under
-``torch.profiler`` (``profile_memory=True``). The tensor peak is the running sum of the CPU
-allocator's allocation events at its highest, plus the tensors alive when training started (the
-weights, measured as the parameters' bytes). The profiler's own event buffers inflate RSS, so the
+``torch.profiler`` and its memory timeline (``export_memory_timeline``). The tensor peak is the
+timeline's highest total: every tensor the profiler saw, those from before training (the weights)
+included once an operator used them. The profiler's own event buffers inflate RSS, so the
 RSS column here is not comparable to the demo's: take that from ``summary.json``. The warm start
 must exist: run ``logra demo`` with the same ``--output`` and seed first.
 
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
+from pathlib import Path
 
 from logra_optim.cli import demo
 from logra_optim.cli.measure import MIB
@@ -30,20 +32,21 @@ def worker(spec: dict) -> dict:
 
     measured = {}
     train = trl.GRPOTrainer.train
+    timeline = Path(tempfile.mkdtemp()) / "memory.json"
 
     def profiled_train(trainer, *args, **kwargs):
         weights = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        activities = [ProfilerActivity.CPU]
+        with profile(activities=activities, profile_memory=True, record_shapes=True, with_stack=True) as profiler:
             result = train(trainer, *args, **kwargs)
-        events = [e for e in profiler.profiler.kineto_results.events() if e.name() == "[memory]"]
-        level = peak = 0
-        for event in sorted(events, key=lambda e: e.start_ns()):
-            level += event.nbytes()
-            peak = max(peak, level)
-        measured.update(weights_bytes=weights, tensor_peak_bytes=weights + peak)
+        # [times, sizes per category]: every tensor the profiler saw, including those allocated before
+        # it started (the weights) once an operator used them.
+        profiler.export_memory_timeline(str(timeline), device="cpu")
+        _, sizes = json.loads(timeline.read_text())
+        measured.update(weights_bytes=weights, tensor_peak_bytes=max(map(sum, sizes)))
         return result
 
-    trl.GRPOTrainer.train = profiled_train
+    trl.GRPOTrainer.train = profiled_train  # the demo's worker builds and runs its own trainer
     settings = {"output": spec["output"], "steps": spec["steps"], "eval_every": 0, "seeds": [spec["seed"]]}
     demo.run_worker({"settings": settings, "method": spec["method"], "seed": spec["seed"]})
     return {"method": spec["method"], **measured}
