@@ -420,6 +420,10 @@ def test_stock_vllm_serve_with_the_logra_backend(policy_path, logra_server):
     with pytest.raises(urllib.error.HTTPError) as refused:
         _post(url, "/init_weight_transfer_engine", {"init_info": {"protocol": 999, "targets": []}})
     assert "trainer speaks protocol 999" in refused.value.read().decode()
+    nccl = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2, "packed": True}
+    with pytest.raises(urllib.error.HTTPError) as refused:  # TRL's client, not taught the backend
+        _post(url, "/init_weight_transfer_engine", {"init_info": nccl})
+    assert "import logra_optim.integrations.trl before building the trainer" in refused.value.read().decode()
     with pytest.raises(urllib.error.HTTPError) as refused:  # a trainer model that does not map
         _post(url, "/init_weight_transfer_engine", {"init_info": {"protocol": 1, "targets": ["lm.fc.weight"]}})
     assert "'lm.fc.weight' (the engine's are like model.layers.0" in refused.value.read().decode()

@@ -79,6 +79,15 @@ class LoGRAWeightTransferEngine(WeightTransferEngine[LoGRAInitInfo, LoGRAUpdateI
         self.updater = EngineUpdater(lambda: self.model, vllm_config)
         self.initialised = False
 
+    def parse_init_info(self, init_dict: dict) -> LoGRAInitInfo:
+        if "master_address" in init_dict or "nccl_unique_id_b64" in init_dict:
+            raise ValueError(
+                "LoGRA weight transfer: this server runs the logra backend, and an NCCL client (TRL's VLLMClient) "
+                "tried to open an NCCL group with it; import logra_optim.integrations.trl before building the "
+                "trainer, or sync with logra_optim.integrations.vllm.VLLMSync"
+            )
+        return super().parse_init_info(init_dict)
+
     def init_transfer_engine(self, init_info: LoGRAInitInfo) -> None:
         if init_info.protocol != PROTOCOL:
             raise ValueError(
