@@ -39,14 +39,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 import torch
 
 from logra_optim import LoGRAOptimizer, patch_model
 from logra_optim.cli.runner import run_fresh
 from logra_optim.cli.shapes import PRESETS
-from logra_optim.integrations.vllm import VLLMSync
+from logra_optim.integrations.vllm import VLLMServer, VLLMSync
 from logra_optim.sync import full_sync_bytes, sparse_delta
 
 MODES = ("colocate", "server")
@@ -108,15 +107,8 @@ def _start_server(directory: str, dtype: str) -> tuple[subprocess.Popen, str]:
         stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while True:
-        try:
-            urllib.request.urlopen(url + "/health", timeout=2)
-            return server, url
-        except OSError:
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the vLLM server did not start")
-            time.sleep(1)
+    VLLMServer(url, []).wait_until_up(600, alive=lambda: server.poll() is None)
+    return server, url
 
 
 def worker(spec: dict) -> dict:

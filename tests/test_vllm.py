@@ -324,16 +324,12 @@ def _start_server(policy_path: str, log_path, *extra: str) -> tuple[subprocess.P
     command += ["--host", "127.0.0.1", "--port", str(port), *extra]
     server = subprocess.Popen(command, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, cwd="/")
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    while True:
-        try:
-            urllib.request.urlopen(url + "/health", timeout=2)
-            return server, url
-        except OSError:
-            if server.poll() is not None or time.monotonic() > deadline:
-                server.kill()
-                raise AssertionError("vllm serve did not start:\n" + open(log_path).read()[-3000:]) from None
-            time.sleep(1)
+    try:
+        VLLMServer(url, []).wait_until_up(240, alive=lambda: server.poll() is None)
+    except RuntimeError:
+        server.kill()
+        raise AssertionError("vllm serve did not start:\n" + open(log_path).read()[-3000:]) from None
+    return server, url
 
 
 def _server_logprobs(url: str, model_name: str) -> list[torch.Tensor]:

@@ -42,7 +42,16 @@ from logra_optim.sync import (
 from . import wire
 from .placement import Placement, checkpoint_fused_placement, column_parallel_placements, row_parallel_placement
 
-__all__ = ["DRIFT_MARKER", "DriftError", "EXTENSION", "EngineUpdater", "LoGRAWorkerExtension", "engine_placements"]
+__all__ = [
+    "DRIFT_MARKER",
+    "DriftError",
+    "EXTENSION",
+    "compare_checksums",
+    "drift_exceeded",
+    "EngineUpdater",
+    "LoGRAWorkerExtension",
+    "engine_placements",
+]
 
 # What vLLM imports in its workers: must name the class below (a test resolves it).
 EXTENSION = "logra_optim.integrations.vllm.engine.LoGRAWorkerExtension"
@@ -56,6 +65,25 @@ DRIFT_MARKER = "LoGRA sync drift check failed: "
 
 class DriftError(RuntimeError):
     """The engine's copy of the weights has drifted from the trainer's past the bound."""
+
+
+def compare_checksums(pairs, served_dtype: torch.dtype, drift_bound: float) -> dict[str, float]:
+    """The drift check's verdict from checksums, on whichever side compares them: ``pairs`` holds per
+    target ``((engine copy, trainer copy), (engine served, trainer served))`` ``W p`` vectors. Returns
+    the largest relative differences ``drift`` and ``served_drift`` and ``served_bound``: the served
+    weights resolve only down to their dtype's rounding, so their bound is
+    ``max(drift_bound, 4·eps(served dtype))``."""
+    worst = {"drift": 0.0, "served_drift": 0.0}
+    for copies, served in pairs:
+        worst["drift"] = max(worst["drift"], relative_drift(*copies))
+        worst["served_drift"] = max(worst["served_drift"], relative_drift(*served))
+    return {**worst, "served_bound": max(drift_bound, 4 * torch.finfo(served_dtype).eps)}
+
+
+def drift_exceeded(measured: dict[str, float], drift_bound: float) -> bool:
+    """Whether a :func:`compare_checksums` result fails the check (NaN, an unmeasurable comparison,
+    does not)."""
+    return measured["drift"] > drift_bound or measured["served_drift"] > measured["served_bound"]
 
 
 def engine_placements(model: nn.Module) -> dict[str, Placement]:
@@ -187,8 +215,9 @@ class EngineUpdater:
         return fused_name if fused_name in state["linear_modules"] else None
 
     def _reload(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        """vLLM's in-place reload, as its worker's ``reload_weights`` runs it (that also resets LoRA and
-        multimodal caches, which a LoGRA policy has none of)."""
+        """vLLM's in-place reload, as its worker's ``reload_weights`` runs it, without the worker's
+        resets of LoRA, encoder and multimodal caches (the weight-transfer backend has no worker;
+        the sync is tested with text-only models, which have none of them)."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
@@ -447,27 +476,29 @@ class EngineUpdater:
         bound (served: ``max(drift_bound, 4·eps)`` of the engine dtype). A row-parallel shard holds a
         partial product only; under tensor parallelism those layers are not checked here."""
         expected = wire.load(expected)
-        result = wire.load(self.checksums(json.dumps(sorted(expected)), seed))
+        result = self.checksum_table(sorted(expected), seed)
         copy_dtype, served_dtype = result["copy_dtype"], result["served_dtype"]
-        served_bound = max(drift_bound, 4 * torch.finfo(wire.dtype(served_dtype)).eps)
-        worst = {"drift": 0.0, "served_drift": 0.0}
+        pairs = []
         for name, sums in expected.items():
             start, copy, served, partial = result[name]
             if partial:
                 continue
+            if copy_dtype not in sums or served_dtype not in sums:
+                raise PayloadError(f"LoGRA sync: verify sent no checksums in {copy_dtype}/{served_dtype} for {name!r}")
             rows = slice(start, start + copy.numel())
-            for key, local, dtype in (("drift", copy, copy_dtype), ("served_drift", served, served_dtype)):
-                if dtype not in sums:
-                    raise PayloadError(f"LoGRA sync: verify sent no checksums in {dtype} for {name!r}")
-                worst[key] = max(worst[key], relative_drift(local, sums[dtype][rows]))
-        measured = {**worst, "served_bound": served_bound}
-        if worst["drift"] > drift_bound or worst["served_drift"] > served_bound:
+            pairs.append(((copy, sums[copy_dtype][rows]), (served, sums[served_dtype][rows])))
+        measured = compare_checksums(pairs, wire.dtype(served_dtype), drift_bound)
+        if drift_exceeded(measured, drift_bound):
             raise DriftError(f"{DRIFT_MARKER}{json.dumps(measured)}")
         return measured
 
-    @torch.no_grad()
     def checksums(self, names: str, seed: int | str) -> str:
-        """Checksums ``W p`` of the requested HF matrices (a JSON list), as :func:`.wire.dump` of
+        """:meth:`checksum_table` as :func:`.wire.dump` text, for a trainer to compare."""
+        return wire.dump(self.checksum_table(json.loads(names), int(seed)))
+
+    @torch.no_grad()
+    def checksum_table(self, names: list[str], seed: int) -> dict:
+        """Checksums ``W p`` of the requested HF matrices:
         ``{"tp_size", "copy_dtype", "served_dtype", name: (row start, copy, served, partial)}``.
 
         ``copy``: float64 ``W p`` of the engine's own copy (the shadow in reload mode, the loaded
@@ -475,7 +506,6 @@ class EngineUpdater:
         or quantized weights: what generation uses), in the engine's dtype, so it also catches a
         load that went wrong. ``partial``: a row-parallel rank's share, summed over the ranks."""
         state = self._engine_state()
-        names, seed = json.loads(names), int(seed)
         layers = self._layers()
         dtype = self.vllm_config.model_config.dtype
         result = {"tp_size": 1, "copy_dtype": str(state["shadow_dtype"]), "served_dtype": str(dtype)}
@@ -496,7 +526,7 @@ class EngineUpdater:
             served = layer.quant_method.apply(layer, x[None], bias=None)[0, placement.param_rows]
             partial = placement.projection_cols != slice(0, placement.in_features)
             result[name] = (placement.factor_rows.start, copy, served.double().cpu(), partial)
-        return wire.dump(result)
+        return result
 
     def status(self) -> dict:
         state = self._engine_state()

@@ -31,13 +31,19 @@ from logra_optim.sync import (
     Update,
     UpdateRecorder,
     checksum_probe,
-    relative_drift,
     to_bytes,
     weight_checksum,
 )
 
 from . import wire
-from .engine import DRIFT_MARKER, EXTENSION, LEGACY_EXTENSION, LoGRAWorkerExtension
+from .engine import (
+    DRIFT_MARKER,
+    EXTENSION,
+    LEGACY_EXTENSION,
+    LoGRAWorkerExtension,
+    compare_checksums,
+    drift_exceeded,
+)
 from .plugin import BACKEND, PROTOCOL
 
 __all__ = ["ServerError", "VLLMServer", "VLLMSync", "server_backend"]
@@ -175,6 +181,19 @@ class VLLMServer:
         except urllib.error.URLError as error:
             raise RuntimeError(f"vLLM server {self.url}: cannot reach it ({error.reason})") from error
         return json.loads(text) if text else None
+
+    def wait_until_up(self, timeout: float, alive: Callable[[], bool] = lambda: True) -> None:
+        """Poll ``/health`` until the server answers (a server just started takes a while); raises
+        :class:`RuntimeError` once ``alive()`` is false (its process exited) or after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=2)
+                return
+            except OSError:
+                if not alive() or time.monotonic() > deadline:
+                    raise RuntimeError(f"vLLM server {self.url} did not come up") from None
+                time.sleep(1)
 
     def config(self) -> tuple[str | None, torch.dtype]:
         """The server's weight-transfer backend and model dtype (from ``/server_info``)."""
@@ -420,9 +439,7 @@ class VLLMSync:
             self.compressed_since_check = 0
             measured = self.drift()
             stats.update(measured)
-            if measured.get("drift", 0.0) > self.drift_bound or measured.get("served_drift", 0.0) > measured.get(
-                "served_bound", math.inf
-            ):
+            if "drift" in measured and drift_exceeded(measured, self.drift_bound):
                 warnings.warn(
                     f"LoGRA sync: engine drift {measured} exceeds the bound; full sync", RuntimeWarning, stacklevel=2
                 )
@@ -461,40 +478,34 @@ class VLLMSync:
         names = json.dumps([target.parameter_name for target in targets])
         results = self.engine.checksums(names, seed)
         served_dtype, copy_dtype = wire.dtype(results[0]["served_dtype"]), wire.dtype(results[0]["copy_dtype"])
-        served_bound = max(self.drift_bound, 4 * torch.finfo(served_dtype).eps)
         if len(results) < results[0]["tp_size"]:
-            return {"drift": math.nan, "served_drift": math.nan, "served_bound": served_bound}
-        worst = {"drift": 0.0, "served_drift": 0.0}
-        for target in targets:
-            name, weight = target.parameter_name, target.weight.detach()
-            probe = checksum_probe(projection_seed(seed, 0, name), weight.shape[1], device=weight.device)
-            trainer = {
-                "drift": weight_checksum(weight.to(copy_dtype), probe).cpu(),
-                "served_drift": weight_checksum(weight.to(served_dtype), probe).cpu(),
+            return {
+                **compare_checksums([], served_dtype, self.drift_bound),
+                "drift": math.nan,
+                "served_drift": math.nan,
             }
-            engine = {key: torch.zeros_like(value) for key, value in trainer.items()}
-            for result in results:
+        pairs = []
+        for name, sums in _trainer_checksums(targets, seed, {copy_dtype, served_dtype}).items():
+            engine = {
+                "copy": torch.zeros_like(sums[str(copy_dtype)]),
+                "served": torch.zeros_like(sums[str(served_dtype)]),
+            }
+            for result in results:  # every rank's rows (or, row-parallel, its share of the sum)
                 start, copy, served, partial = result[name]
                 rows = slice(start, start + copy.numel())
-                for key, local in (("drift", copy), ("served_drift", served)):
+                for key, local in (("copy", copy), ("served", served)):
                     if partial:
                         engine[key][rows] += local
                     else:
                         engine[key][rows] = local
-            for key in worst:
-                worst[key] = max(worst[key], relative_drift(engine[key], trainer[key]))
-        return {**worst, "served_bound": served_bound}
+            pairs.append(((engine["copy"], sums[str(copy_dtype)]), (engine["served"], sums[str(served_dtype)])))
+        return compare_checksums(pairs, served_dtype, self.drift_bound)
 
     def _drift_on_server(self, targets, seed: int) -> dict[str, float]:
-        """The trainer's float64 ``W p`` per target, its weights rounded to each dtype the engine
-        may hold them in (its shadows', its model's), checked by the engine against its own."""
+        """The trainer's checksums in each dtype the engine may hold the weights in (its shadows',
+        its model's), compared by the engine with its own."""
         self.engine.initialise()
-        dtypes = {wire.dtype(self.shadow_dtype), self.engine.model_dtype}
-        expected = {}
-        for target in targets:
-            name, weight = target.parameter_name, target.weight.detach()
-            probe = checksum_probe(projection_seed(seed, 0, name), weight.shape[1], device=weight.device)
-            expected[name] = {str(dtype): weight_checksum(weight.to(dtype), probe).cpu() for dtype in dtypes}
+        expected = _trainer_checksums(targets, seed, {wire.dtype(self.shadow_dtype), self.engine.model_dtype})
         measured = self.engine.verify(expected, seed, self.drift_bound)
         return {"drift_within_bound": 1.0} if measured is None else measured
 
@@ -511,6 +522,18 @@ class VLLMSync:
         }
         self.history.append(self.stats)
         return self.stats
+
+
+@torch.no_grad()
+def _trainer_checksums(targets, seed: int, dtypes) -> dict[str, dict[str, torch.Tensor]]:
+    """Per target, float64 ``W p`` of the trainer's weights rounded to each of ``dtypes`` (keyed by
+    ``str(dtype)``), with the probe ``p`` the engine draws from the same seed."""
+    sums = {}
+    for target in targets:
+        name, weight = target.parameter_name, target.weight.detach()
+        probe = checksum_probe(projection_seed(seed, 0, name), weight.shape[1], device=weight.device)
+        sums[name] = {str(dtype): weight_checksum(weight.to(dtype), probe).cpu() for dtype in dtypes}
+    return sums
 
 
 def _without(payload: SyncPayload | None, names: set[str]) -> SyncPayload | None:
