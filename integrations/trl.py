@@ -38,7 +38,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import SchedulerType
 
-from logra_optim import LoGRAOptimizer, patch_model, patched_modules
+from logra_optim import LoGRAOptimizer, patch_model, patched_targets
 from logra_optim.distributed import REPLICATED
 from logra_optim.integrations.vllm.plugin import BACKEND
 from logra_optim.integrations.vllm.trainer import START_SERVER, VLLMServer, server_backend
@@ -188,7 +188,7 @@ def attach_logra(
             "attach_logra: the trainer's model is PEFT-wrapped (peft_config was given); LoGRA trains the base "
             "weights itself, so drop the peft_config/LoRA adapter"
         )
-    if not patched_modules(model):
+    if not patched_targets(model):
         patch_model(model, target_modules)
     elif target_modules is not None:
         warnings.warn("attach_logra: the model is already patched; target_modules is ignored", stacklevel=2)
@@ -362,7 +362,7 @@ def _deepspeed_fp16(trainer: Trainer) -> bool:
 
 def _unwrap(model):
     # DDP / DeepSpeed engines keep the patched model as .module.
-    while not patched_modules(model) and hasattr(model, "module"):
+    while not patched_targets(model) and hasattr(model, "module"):
         model = model.module
     return model
 

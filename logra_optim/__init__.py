@@ -8,7 +8,15 @@ Two lines turn a PyTorch training script into a LoGRA one::
 
 from .kl import CosineBudget
 from .optimizer import LoGRAOptimizer
-from .patching import DEFAULT_TARGET_NAMES, find_target_modules, patch_model, patched_modules, unpatch_model
+from .patching import (
+    DEFAULT_TARGET_NAMES,
+    find_experts_modules,
+    find_target_modules,
+    patch_model,
+    patched_modules,
+    patched_targets,
+    unpatch_model,
+)
 from .projection import canonical_name, make_projection, projection_seed
 
 __all__ = [
@@ -16,10 +24,12 @@ __all__ = [
     "CosineBudget",
     "LoGRAOptimizer",
     "canonical_name",
+    "find_experts_modules",
     "find_target_modules",
     "make_projection",
     "patch_model",
     "patched_modules",
+    "patched_targets",
     "projection_seed",
     "unpatch_model",
 ]

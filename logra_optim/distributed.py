@@ -52,6 +52,10 @@ def data_parallel_group(group=None):
 class WeightLayout:
     """The part of a ``d×k`` target weight this rank stores.
 
+    Stacked expert weights (``[E, d, k]``) are the matrix ``E·d × k`` of their row-major layout, so
+    that a shard over experts (FSDP2 ``Shard(0)``) is a block of rows and a ZeRO-3 partition a range
+    of elements, as for any other target.
+
     ``kind``: ``"replicated"`` (all of it), ``"rows"`` (rows ``[start, stop)``, FSDP2) or ``"flat"``
     (elements ``[start, stop)`` of the row-major flattening, DeepSpeed ZeRO-3). ``holders`` is how many
     ranks store the same elements, so that partial sums of squares divided by it add up to ‖W‖² over
@@ -91,9 +95,10 @@ def dtensor_rows(shape: Sequence[int], mesh, placements) -> tuple[int, int]:
 
 def weight_layout(name: str, weight: torch.Tensor) -> WeightLayout:
     """How this rank stores target ``name``; raises for placements LoGRA cannot merge into."""
-    shape = global_shape(weight)
-    if len(shape) != 2:
-        raise ValueError(f"target {name!r}: weight of shape {shape} is not a matrix")
+    stacked = global_shape(weight)
+    if len(stacked) not in (2, 3):
+        raise ValueError(f"target {name!r}: weight of shape {stacked} is neither a matrix nor stacked matrices")
+    shape = matrix_shape(stacked)
     if is_zero3_param(weight):
         partition = weight.ds_tensor.ds_numel
         group = getattr(weight, "ds_process_group", None)
@@ -121,19 +126,24 @@ def weight_layout(name: str, weight: torch.Tensor) -> WeightLayout:
                 )
         if all(p.is_replicate() for p in placements):
             return WeightLayout(REPLICATED, shape, 0, shape[0], holders)
-        start, stop = dtensor_rows(shape, weight.device_mesh, placements)
-        return WeightLayout(ROWS, shape, start, stop, holders)
+        start, stop = dtensor_rows(stacked, weight.device_mesh, placements)
+        rows_per_slice = shape[0] // stacked[0]  # d for stacked experts (a shard holds whole experts), else 1
+        return WeightLayout(ROWS, shape, start * rows_per_slice, stop * rows_per_slice, holders)
     return WeightLayout(REPLICATED, shape, 0, shape[0], 0)  # holders 0: not part of any partial sum
+
+
+def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
+    """The ``(rows, k)`` matrix a weight is merged as: itself, or ``E·d × k`` for ``[E, d, k]`` experts."""
+    return (shape[0], shape[1]) if len(shape) == 2 else (shape[0] * shape[1], shape[2])
 
 
 def local_data(weight: torch.Tensor, layout: WeightLayout) -> torch.Tensor:
     """The tensor a merge writes into: the whole matrix, the local rows (``d_local×k``) or the valid
-    part of the flat partition (1-D)."""
+    part of the flat partition (1-D). Stacked experts are viewed as rows (``E_local·d × k``)."""
     if layout.kind == FLAT:
         return weight.ds_tensor.data.view(-1)[: layout.stop - layout.start]
-    if is_dtensor(weight):
-        return weight.to_local().data
-    return weight.data
+    data = weight.to_local().data if is_dtensor(weight) else weight.data
+    return data.view(-1, layout.shape[1]) if data.dim() == 3 else data
 
 
 def local_sq_norm(weight: torch.Tensor, layout: WeightLayout) -> torch.Tensor:

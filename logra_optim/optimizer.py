@@ -33,7 +33,7 @@ from .options import (
     param_group_defaults,
     upgrade_param_group,
 )
-from .patching import TargetState, patched_modules, target_state
+from .patching import TargetState, patched_targets, target_state
 from .probe import LogitsFn
 from .projection import make_projection, projection_key, projection_seed
 from .sketch import SharedProjection, SketchBank
@@ -214,12 +214,13 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             mismatch_ema=mismatch_ema,
         )
         check_non_target_optimizer(non_target_optimizer, kl)
-        found = patched_modules(model)
+        found = patched_targets(model)
         if not found:
             raise ValueError("LoGRAOptimizer: the model has no LoGRA targets; call patch_model(model) first")
         dp.check_no_fsdp1(model)
         targets = tuple(
-            Target(target_state(m).canonical_name, m, dp.weight_layout(name, m.weight)) for name, m in found
+            Target(target_state(m, a).canonical_name, m, dp.weight_layout(name, getattr(m, a)), a)
+            for name, m, a in found
         )
         check_targets(targets, options, kl)
 

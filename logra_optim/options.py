@@ -187,7 +187,7 @@ def check_targets(targets: Sequence[Target], step: StepOptions, kl: KLOptions) -
             "to be resolved, e.g. 1.0)"
         )
     for target in targets:
-        d, k = target.shape
+        d, k = target.shape[0] // target.experts, target.shape[1]  # per expert for stacked experts
         if step.rank > min(d, k):
             raise ValueError(
                 f"rank={step.rank} is larger than target {target.name!r} allows ({d}×{k}: rank must be ≤ {min(d, k)})"

@@ -1,10 +1,12 @@
-"""Find the target linears of a model and patch them to accumulate sketches.
+"""Find the target linears (and stacked experts) of a model and patch them to accumulate sketches.
 
 Patching keeps each target an ordinary ``nn.Linear`` with the same parameters: only an
 instance-level ``forward`` and a ``_logra`` record are added, so ``state_dict`` keys,
 ``save_pretrained`` output and ``isinstance`` checks elsewhere (HF, DeepSpeed, vLLM loaders) are
-exactly those of the unpatched model. :func:`unpatch_model` removes both and restores every
-``requires_grad`` flag it changed.
+exactly those of the unpatched model. Mixture-of-experts blocks are patched the same way: an
+instance-level ``forward`` and a ``_logra_experts`` record on the ``*Experts`` module
+(:mod:`.experts`). :func:`unpatch_model` removes all of it and restores every ``requires_grad``
+flag it changed.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .experts import expert_weight_names, has_stacked_weights, probing_linear, routed_experts, sketching_linear
 from .probe import output_embedding, perturbed_linear
 from .projection import canonical_name
 from .sketch import SharedProjection, sketched_linear
@@ -60,6 +63,7 @@ class TargetState:
     name: str
     canonical_name: str
     weight_requires_grad: bool
+    experts: int = 1  # matrices stacked in the weight: E for a mixture-of-experts weight [E, d, k]
     shared_projection: SharedProjection | None = None
     sketch: torch.Tensor | None = None
     owner: weakref.ref | None = None
@@ -84,7 +88,19 @@ class TargetState:
 
     def __deepcopy__(self, memo) -> TargetState:
         # A copied model is a new, unbound model: it must not sketch into this optimizer's buffers.
-        return TargetState(self.name, self.canonical_name, self.weight_requires_grad)
+        return TargetState(self.name, self.canonical_name, self.weight_requires_grad, self.experts)
+
+
+@dataclass(eq=False)
+class ExpertsPatch:
+    """What a patched experts module carries: its two target weights' names (input side first) and
+    their records."""
+
+    names: tuple[str, str]
+    states: dict[str, TargetState]
+
+    def ordered(self) -> tuple[TargetState, TargetState]:
+        return self.states[self.names[0]], self.states[self.names[1]]
 
 
 @dataclass(eq=False)
@@ -109,6 +125,25 @@ def _patched_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
             "LoGRAOptimizer, as with any torch optimizer."
         )
     return sketched_linear(input, self.weight, self.bias, target.shared_projection, target.sketch)
+
+
+def _patched_experts_forward(self: nn.Module, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+    patch: ExpertsPatch = self._logra_experts
+    states = patch.ordered()
+    if any(state.probe_factor is not None for state in states):
+        return routed_experts(
+            self, hidden_states, top_k_index, top_k_weights, probing_linear(self, patch.names, states)
+        )
+    if states[0].projection is None or not (self.training and torch.is_grad_enabled()):
+        return type(self).forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+    weight = getattr(self, patch.names[0])
+    if states[0].projection.device != weight.device:
+        raise RuntimeError(
+            f"LoGRA target {states[0].name!r}: weight is on {weight.device} but the optimizer's projection is on "
+            f"{states[0].projection.device}. Move the model before creating LoGRAOptimizer, as with any torch optimizer."
+        )
+    linear = sketching_linear(self, patch.names, states, hidden_states)
+    return routed_experts(self, hidden_states, top_k_index, top_k_weights, linear)
 
 
 def _is_gpt2_conv1d(module: nn.Module) -> bool:
@@ -191,11 +226,23 @@ def _inputs_require_grad_under_checkpointing(model: nn.Module):
     return hook
 
 
+def find_experts_modules(model: nn.Module) -> list[tuple[str, nn.Module, tuple[str, str]]]:
+    """``(name, module, (input weight, output weight))`` of every mixture-of-experts ``*Experts``
+    module of ``model``; raises a ``ValueError`` naming any module with stacked weights whose layout
+    LoGRA does not support (see :mod:`.experts`)."""
+    return [
+        (name, module, expert_weight_names(name, module))
+        for name, module in model.named_modules()
+        if has_stacked_weights(module)
+    ]
+
+
 def patch_model(
     model: nn.Module,
     target_modules: str | Iterable[str] | None = None,
     *,
     freeze_non_targets: bool = True,
+    experts: bool = True,
 ) -> nn.Module:
     """Patch ``model`` in place so its target linears accumulate LoGRA sketches; returns ``model``.
 
@@ -204,6 +251,12 @@ def patch_model(
     other parameter is frozen too, as in the paper (embeddings, norms, ``lm_head``, biases stay
     fixed); unfreeze some and pass ``non_target_optimizer`` to :class:`LoGRAOptimizer` to train
     them densely. Patching an already patched model adds any new targets and changes nothing else.
+
+    ``experts`` (default): the stacked expert weights of mixture-of-experts blocks are targets too
+    (per-expert sketches, :mod:`.experts`); a module with stacked weights in a layout LoGRA does not
+    support is an error. ``False`` leaves experts out (frozen with a warning under
+    ``freeze_non_targets``). The router stays a non-target (frozen, or trained by
+    ``non_target_optimizer``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"patch_model expects a torch.nn.Module, got {type(model).__name__}")
@@ -213,6 +266,7 @@ def patch_model(
             "Pass the base model (e.g. model.get_base_model() or merge_and_unload())."
         )
     targets = find_target_modules(model, target_modules)
+    expert_modules = find_experts_modules(model) if experts else []
     for name, module in targets:  # validate everything before changing anything
         if hasattr(module, "_logra"):
             continue
@@ -225,6 +279,12 @@ def patch_model(
             raise ValueError(
                 f"target module {name!r} already has an instance-level forward (e.g. accelerate's device_map/offload "
                 "hooks); LoGRA would replace it. Load the model without device_map/offloading or choose other targets"
+            )
+    for name, module, _ in expert_modules:
+        if "forward" in module.__dict__ and not hasattr(module, "_logra_experts"):
+            raise ValueError(
+                f"experts module {name!r} already has an instance-level forward (e.g. accelerate's device_map/offload "
+                "hooks); LoGRA would replace it. Load the model without device_map/offloading, or pass experts=False"
             )
     record: PatchRecord | None = getattr(model, "_logra_patch", None)
     first_patch = record is None
@@ -245,8 +305,19 @@ def patch_model(
         )
         module.weight.requires_grad_(False)
         module.forward = types.MethodType(_patched_forward, module)
+    for name, module, names in expert_modules:
+        if hasattr(module, "_logra_experts"):
+            continue
+        states = {}
+        for attribute in names:
+            weight = getattr(module, attribute)
+            full_name = f"{name}.{attribute}"
+            states[attribute] = TargetState(full_name, canonical_name(full_name), weight.requires_grad, weight.shape[0])
+            weight.requires_grad_(False)
+        module._logra_experts = ExpertsPatch(names, states)
+        module.forward = types.MethodType(_patched_experts_forward, module)
     if freeze_non_targets and first_patch:  # a second call leaves flags the user changed since alone
-        target_weights = {id(m.weight) for _, m in patched_modules(model)}
+        target_weights = {id(getattr(m, attribute)) for _, m, attribute in patched_targets(model)}
         for name, param in model.named_parameters():
             if id(param) not in target_weights and param.requires_grad:
                 record.frozen.setdefault(name, True)
@@ -272,13 +343,28 @@ def _warn_about_frozen_experts(model: nn.Module, frozen: dict[str, bool]) -> Non
 
 
 def patched_modules(model: nn.Module) -> list[tuple[str, nn.Linear]]:
-    """The patched targets of ``model`` in module order (empty if it is not patched)."""
+    """The patched target linears of ``model`` in module order (empty if it is not patched)."""
     return [(name, m) for name, m in model.named_modules() if isinstance(getattr(m, "_logra", None), TargetState)]
 
 
-def target_state(module: nn.Module) -> TargetState:
-    """The LoGRA record of a patched linear; raises for a module :func:`patch_model` did not patch."""
-    state = getattr(module, "_logra", None)
+def patched_targets(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """Every patched target weight of ``model`` in module order, as ``(name, module, attribute)``:
+    ``(module name, linear, "weight")`` or ``(parameter name, experts module, "down_proj")``."""
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(getattr(module, "_logra", None), TargetState):
+            found.append((name, module, "weight"))
+        patch = getattr(module, "_logra_experts", None)
+        if isinstance(patch, ExpertsPatch):
+            found.extend((state.name, module, attribute) for attribute, state in zip(patch.names, patch.ordered()))
+    return found
+
+
+def target_state(module: nn.Module, attribute: str = "weight") -> TargetState:
+    """The LoGRA record of a patched linear (or of an experts module's ``attribute`` weight); raises
+    for a module :func:`patch_model` did not patch."""
+    patch = getattr(module, "_logra_experts", None)
+    state = patch.states.get(attribute) if isinstance(patch, ExpertsPatch) else getattr(module, "_logra", None)
     if not isinstance(state, TargetState):
         raise ValueError(f"{type(module).__name__} module is not a patched LoGRA target (call patch_model first)")
     return state
@@ -291,6 +377,13 @@ def unpatch_model(model: nn.Module) -> nn.Module:
         module.weight.requires_grad_(target.weight_requires_grad)
         del module.forward
         del module._logra
+    for _, module in model.named_modules():
+        patch = getattr(module, "_logra_experts", None)
+        if isinstance(patch, ExpertsPatch):
+            for attribute, state in patch.states.items():
+                getattr(module, attribute).requires_grad_(state.weight_requires_grad)
+            del module.forward
+            del module._logra_experts
     record: PatchRecord | None = getattr(model, "_logra_patch", None)
     if record is not None:
         params = dict(model.named_parameters())

@@ -147,13 +147,19 @@ def low_rank_delta(x: torch.Tensor, projection: SharedProjection, factor: torch.
 
 def perturbed_linear(module: nn.Linear, x: torch.Tensor, target) -> torch.Tensor:
     """The forward of a patched linear while a probe runs (see the module docstring)."""
+    return perturbed_product(x, module.weight, module.bias, target, target.probe_factor)
+
+
+def perturbed_product(x: torch.Tensor, weight: torch.Tensor, bias, target, factor: torch.Tensor) -> torch.Tensor:
+    """``x Wᵀ + b`` with the change ``−(x Aᵀ) Fᵀ`` of the proposed update, as the tangent or the
+    branch ``target.probe_mode`` says (``A``, mode and products from the target's record)."""
     target.probe_compute_dtype = fwAD.unpack_dual(x)[0].dtype
     if target.probe_mode == "branch":
-        y = F.linear(x, module.weight, module.bias)
-        return y + low_rank_delta(x, target.shared_projection, target.probe_factor).to(y.dtype)
+        y = F.linear(x, weight, bias)
+        return y + low_rank_delta(x, target.shared_projection, factor).to(y.dtype)
     primal_x, tangent_x = fwAD.unpack_dual(x)
-    y, tangent = _primal_and_tangent(primal_x, tangent_x, module.weight, module.bias, target.probe_products)
-    delta = low_rank_delta(x, target.shared_projection, target.probe_factor).to(y.dtype)
+    y, tangent = _primal_and_tangent(primal_x, tangent_x, weight, bias, target.probe_products)
+    delta = low_rank_delta(x, target.shared_projection, factor).to(y.dtype)
     return fwAD.make_dual(y, delta if tangent is None else tangent + delta)
 
 

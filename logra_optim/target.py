@@ -18,32 +18,40 @@ from .patching import TargetState, target_state
 
 @dataclass(frozen=True)
 class Target:
-    """One patched linear layer driven by an optimizer.
+    """One weight driven by an optimizer: a patched linear layer's ``weight``, or the stacked
+    ``[E, d, k]`` weight of a mixture-of-experts block (``attribute`` names it, e.g. ``"down_proj"``).
 
-    ``name`` is the module's canonical name (wrapper prefixes such as ``module.`` or
-    ``_orig_mod.`` removed), the name a Hugging Face checkpoint and a vLLM engine use; ``layout``
-    says which part of the ``d×k`` weight this rank stores.
+    ``name`` is the canonical name (wrapper prefixes such as ``module.`` or ``_orig_mod.`` removed)
+    a Hugging Face checkpoint and a vLLM engine use: the module's for a linear, the parameter's for
+    experts. ``layout`` says which part of the ``d×k`` matrix (``E·d × k`` for experts) this rank stores.
     """
 
     name: str
-    module: nn.Linear
+    module: nn.Module
     layout: WeightLayout
+    attribute: str = "weight"
 
     @property
     def weight(self) -> nn.Parameter:
-        return self.module.weight
+        return getattr(self.module, self.attribute)
 
     @property
     def parameter_name(self) -> str:
-        """The weight's name in a checkpoint: ``name + ".weight"``."""
-        return self.name + ".weight"
+        """The weight's name in a checkpoint: ``name + ".weight"`` for a linear, ``name`` for experts."""
+        return self.name + ".weight" if self.attribute == "weight" else self.name
 
     @property
     def shape(self) -> tuple[int, int]:
-        """The logical ``(out_features, in_features)`` of the whole weight, however it is sharded."""
+        """The logical ``(rows, in_features)`` matrix of the whole weight, however it is sharded:
+        ``(out_features, in_features)`` for a linear, ``(E·d, k)`` for ``E`` stacked experts."""
         return self.layout.shape
 
     @property
+    def experts(self) -> int:
+        """How many matrices the weight stacks: 1 for a linear, ``E`` for experts."""
+        return self.state.experts
+
+    @property
     def state(self) -> TargetState:
-        """The layer's LoGRA record: current projection ``A`` and sketch view ``S`` while bound."""
-        return target_state(self.module)
+        """The weight's LoGRA record: current projection ``A`` and sketch view ``S`` while bound."""
+        return target_state(self.module, self.attribute)
