@@ -140,7 +140,8 @@ def _patched_experts_forward(self: nn.Module, hidden_states, top_k_index, top_k_
     if states[0].projection.device != weight.device:
         raise RuntimeError(
             f"LoGRA target {states[0].name!r}: weight is on {weight.device} but the optimizer's projection is on "
-            f"{states[0].projection.device}. Move the model before creating LoGRAOptimizer, as with any torch optimizer."
+            f"{states[0].projection.device}. Move the model before creating LoGRAOptimizer, as with any torch "
+            "optimizer."
         )
     linear = sketching_linear(self, patch.names, states, hidden_states)
     return routed_experts(self, hidden_states, top_k_index, top_k_weights, linear)
