@@ -332,6 +332,13 @@ class VLLMSync:
             raise ValueError(f"full_every must be a positive integer or None, got {full_every!r}")
         if not drift_bound > 0:
             raise ValueError(f"drift_bound must be positive, got {drift_bound!r}")
+        experts = [target.name for target in optimizer.targets if target.experts > 1]
+        if experts:
+            raise ValueError(
+                f"VLLMSync: compressed sync of mixture-of-experts weights ({experts[0]!r}, …) is not supported yet "
+                "(vLLM stores them fused in FusedMoE layers); sync full weights instead (attach_logra: "
+                "vllm_sync='full', TRL's own sync)"
+            )
         if check_every and any(target.layout.kind != REPLICATED for target in optimizer.targets):
             warnings.warn(
                 "VLLMSync: the trainer's target weights are sharded (FSDP2/ZeRO-3); the drift check "

@@ -78,3 +78,32 @@ def sketches(model) -> dict[str, torch.Tensor]:
     from logra_optim import patched_modules
 
     return {name: target_state(module).sketch.clone() for name, module in patched_modules(model)}
+
+
+def tiny_qwen3_moe(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+    """A two-layer Qwen3-MoE (4 experts, top-2, every layer sparse) with transformers' eager experts."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = dict(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    experts_implementation = overrides.pop("experts_implementation", "eager")
+    config.update(overrides)
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**config)).to(dtype)
+    model.config._attn_implementation = "eager"
+    model.config._experts_implementation = experts_implementation
+    return model

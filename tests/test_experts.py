@@ -1,0 +1,371 @@
+"""Mixture-of-experts weights as LoGRA targets (logra_optim/experts.py): per-expert sketches equal the
+dense per-expert gradients times ``Aᵀ`` (float64, any routing), the routed computation equals
+transformers' eager and grouped implementations, no dense expert gradient is ever allocated, and the
+optimizer, the KL probe and checkpoints cover every expert."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from logra_optim import LoGRAOptimizer, make_projection, patch_model, patched_targets, unpatch_model
+from logra_optim.patching import target_state
+from logra_optim.probe import contexts_from_batch, jvp_predicted_kl
+from tests.helpers.reference import kl_divergence
+from tests.helpers.tiny import fixed_batch, tiny_qwen3_moe
+
+
+class ExpertsOnly(nn.Module):
+    """A transformers ``Qwen3MoeExperts`` module beside one linear (``patch_model`` wants a linear)."""
+
+    def __init__(self, experts: int, hidden: int, inner: int, dtype=torch.float64, seed: int = 0):
+        from transformers import Qwen3MoeConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+        super().__init__()
+        config = Qwen3MoeConfig(num_experts=experts, hidden_size=hidden, moe_intermediate_size=inner)
+        config._experts_implementation = "eager"
+        torch.manual_seed(seed)
+        self.experts = Qwen3MoeExperts(config)
+        for weight in (self.experts.gate_up_proj, self.experts.down_proj):
+            nn.init.normal_(weight, std=0.3)
+        self.o_proj = nn.Linear(hidden, hidden)
+        self.to(dtype)
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        return self.experts(hidden, top_k_index, top_k_weights)
+
+
+def routing(tokens: int, experts: int, top_k: int, mode: str, generator: torch.Generator):
+    """``(top_k_index, top_k_weights)`` with distinct experts per token. ``mode``: ``"random"``,
+    ``"one"`` (expert 0 is every token's first choice), ``"unused"`` (the last expert gets nothing)."""
+    pool = experts - 1 if mode == "unused" else experts
+    rows = []
+    for _ in range(tokens):
+        choice = torch.randperm(pool, generator=generator)[:top_k]
+        if mode == "one" and 0 not in choice:
+            choice[0] = 0
+        elif mode == "one":
+            choice = torch.cat([torch.tensor([0]), choice[choice != 0]])[:top_k]
+        rows.append(choice)
+    index = torch.stack(rows)
+    weights = torch.rand(tokens, top_k, generator=generator, dtype=torch.float64).softmax(-1)
+    return index, weights
+
+
+def bind(module: nn.Module, rank: int, seed: int = 0) -> list[torch.Tensor]:
+    """Give a patched experts module projections and float64 sketches, as an optimizer would;
+    returns the projections (input weight, output weight)."""
+    patch = module._logra_experts
+    projections = []
+    for i, (attribute, state) in enumerate(zip(patch.names, patch.ordered())):
+        weight = getattr(module, attribute)
+        a = make_projection(seed * 2 + i, rank, weight.shape[2])
+        state.set_projection(a)
+        state.sketch = torch.zeros(weight.shape[0] * weight.shape[1], rank, dtype=torch.float64)
+        projections.append(a)
+    return projections
+
+
+def dense_reference(model: ExpertsOnly, hidden, index, weights, cotangent):
+    """Output, input gradient and dense per-expert gradients of transformers' eager experts, float64."""
+    reference = copy.deepcopy(model)
+    for weight in (reference.experts.gate_up_proj, reference.experts.down_proj):
+        weight.requires_grad_(True)
+    x = hidden.clone().requires_grad_(True)
+    out = reference(x, index, weights)
+    out.backward(cotangent)
+    return out.detach(), x.grad, [reference.experts.gate_up_proj.grad, reference.experts.down_proj.grad]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    experts=st.integers(1, 5),
+    top_k=st.integers(1, 3),
+    tokens=st.integers(1, 9),
+    rank=st.integers(1, 4),
+    mode=st.sampled_from(["random", "one", "unused"]),
+    seed=st.integers(0, 2**16),
+)
+def test_expert_sketches_equal_dense_per_expert_gradients(experts, top_k, tokens, rank, mode, seed):
+    """``S_e = G_e Aᵀ`` for every expert, exactly (float64), with the top-k weights inside ``G_e``;
+    outputs and input gradients equal transformers' eager loop; an expert without tokens has a zero
+    sketch."""
+    top_k = min(top_k, experts - 1 if mode == "unused" and experts > 1 else experts)
+    if mode == "unused" and experts == 1:
+        mode = "random"
+    generator = torch.Generator().manual_seed(seed)
+    model = ExpertsOnly(experts, hidden=6, inner=5, seed=seed)
+    hidden = torch.randn(tokens, 6, generator=generator, dtype=torch.float64)
+    index, weights = routing(tokens, experts, top_k, mode, generator)
+    cotangent = torch.randn(tokens, 6, generator=generator, dtype=torch.float64)
+    out_ref, grad_ref, dense = dense_reference(model, hidden, index, weights, cotangent)
+
+    patch_model(model)
+    projections = bind(model.experts, rank, seed)
+    x = hidden.clone().requires_grad_(True)
+    out = model(x, index, weights)
+    out.backward(cotangent)
+
+    torch.testing.assert_close(out.detach(), out_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(x.grad, grad_ref, rtol=1e-12, atol=1e-12)
+    for state, a, grad in zip(model.experts._logra_experts.ordered(), projections, dense):
+        sketch = state.sketch.view(experts, -1, rank)
+        expected = grad @ a.double().t()  # [E, d, k] @ [k, r]
+        torch.testing.assert_close(sketch, expected, rtol=1e-10, atol=1e-12)
+    if mode == "unused":
+        assert not model.experts._logra_experts.ordered()[0].sketch.view(experts, -1, rank)[-1].any()
+
+
+def test_expert_sketches_are_unbiased_over_seeds():
+    """``E_A[S_e A] = G_e`` per expert with one ``A`` shared by all experts of a weight: the mean
+    reconstruction over M seeds is within 6 standard errors of ``G_e`` everywhere, and the mean z²
+    over both weights is ≈ 1 (Rademacher: Var[(S A)_ab] = (‖G_a‖² − G_ab²)/r per draw)."""
+    experts, hidden_size, inner, rank, draws = 3, 24, 16, 3, 600
+    generator = torch.Generator().manual_seed(0)
+    model = ExpertsOnly(experts, hidden_size, inner)
+    hidden = torch.randn(12, hidden_size, generator=generator, dtype=torch.float64)
+    index, weights = routing(12, experts, 2, "random", generator)
+    cotangent = torch.randn(12, hidden_size, generator=generator, dtype=torch.float64)
+    _, _, dense = dense_reference(model, hidden, index, weights, cotangent)
+    patch_model(model)
+    totals = [torch.zeros_like(g) for g in dense]
+    for draw in range(draws):
+        projections = bind(model.experts, rank, seed=1000 + draw)
+        model(hidden.clone().requires_grad_(True), index, weights).backward(cotangent)
+        for total, state, a in zip(totals, model.experts._logra_experts.ordered(), projections):
+            total += state.sketch.view(experts, -1, rank) @ a.double()
+    zs = []
+    for total, grad in zip(totals, dense):
+        variance = (grad.square().sum(dim=-1, keepdim=True) - grad.square()) / (rank * draws)
+        zs.append(((total / draws - grad) / variance.sqrt()).flatten())
+    z = torch.cat(zs)
+    # All experts of a weight share each draw of A, so the entries' errors are correlated and their
+    # extremes come in clusters: a looser bound on the largest than for independent entries.
+    assert z.abs().max() < 6.0
+    assert 0.8 < float(z.square().mean()) < 1.2
+
+
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm", "batched_mm"])
+def test_patched_experts_compute_what_the_models_implementation_computes(implementation):
+    """Training forward (LoGRA's routed computation) and its input gradients equal the model's own
+    experts implementation; in eval mode the model's implementation itself runs."""
+    batch = fixed_batch(batch=2, seq=10)
+    reference = tiny_qwen3_moe(experts_implementation=implementation)
+    model = copy.deepcopy(reference)
+    for m in (reference, model):
+        m.train()
+    expected = reference(**batch)
+    expected.loss.backward()
+    optimizer = LoGRAOptimizer(patch_model(model), rank=4)
+    got = model(**batch)
+    torch.testing.assert_close(got.logits, expected.logits, rtol=1e-5, atol=1e-5)
+    got.loss.backward()
+    assert optimizer.sketch_buffers()[0].abs().sum() > 0
+    # A non-target's gradient downstream of the experts agrees: the input gradients through them do.
+    embedding_grad = reference.model.embed_tokens.weight.grad
+    model.model.embed_tokens.weight.requires_grad_(True)
+    model.zero_grad()
+    model(**batch).loss.backward()
+    torch.testing.assert_close(model.model.embed_tokens.weight.grad, embedding_grad, rtol=1e-4, atol=1e-6)
+
+
+class LargestBackwardTensor(TorchDispatchMode):
+    """Records the largest tensor any op produces while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(tensor, torch.Tensor):
+                self.largest = max(self.largest, tensor.numel())
+        return out
+
+
+def test_no_dense_expert_gradient_is_allocated():
+    """Every tensor the backward creates is smaller than one expert's ``d×k`` matrix; autograd on the
+    same experts (the control) creates the whole ``[E, d, k]`` gradient."""
+    experts, hidden_size, inner, tokens = 4, 64, 48, 8
+    model = ExpertsOnly(experts, hidden_size, inner, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, hidden_size, generator=generator)
+    index, weights = routing(tokens, experts, 2, "random", generator)
+    weights = weights.float()
+    smallest_expert_matrix = hidden_size * inner
+
+    control = copy.deepcopy(model)
+    control.experts.down_proj.requires_grad_(True)
+    out = control(hidden.clone().requires_grad_(True), index, weights)
+    with LargestBackwardTensor() as recorded:
+        out.sum().backward()
+    assert recorded.largest >= experts * hidden_size * inner  # the dense gradient the control forms
+
+    patch_model(model)
+    bind(model.experts, rank=4)
+    for state in model.experts._logra_experts.ordered():
+        state.sketch = state.sketch.float()
+    out = model(hidden.clone().requires_grad_(True), index, weights)
+    with LargestBackwardTensor() as recorded:
+        out.sum().backward()
+    assert 0 < recorded.largest < smallest_expert_matrix
+    assert model.experts.gate_up_proj.grad is None and model.experts.down_proj.grad is None
+
+
+def avoid_last_expert(model):
+    """Forward hooks that reroute every router's choices away from the last expert (edge case: an
+    expert that receives no token)."""
+    handles = []
+    for layer in model.model.layers:
+        router = layer.mlp.gate
+        last = router.num_experts - 1
+
+        def hook(module, args, output, last=last):
+            logits, scores, indices = output
+            return logits, scores, torch.where(indices == last, (indices + 1) % (last + 1), indices)
+
+        handles.append(router.register_forward_hook(hook))
+    return handles
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-autocast"])
+def test_optimizer_trains_every_routed_expert_and_leaves_unrouted_ones_untouched(precision):
+    """At the realistic step size (update_ratio 6e-5), fp32 and under bf16 autocast: every expert that
+    received tokens moves, the one that received none is bit-identical (zero sketch rows → zero
+    direction, no NaN), and ‖ΔW‖/‖W‖ of each stacked weight is the update ratio times α."""
+    model = tiny_qwen3_moe()
+    avoid_last_expert(model)
+    optimizer = LoGRAOptimizer(patch_model(model), rank=4, kl_budget=None, update_ratio=6e-5)
+    experts = [t for t in optimizer.targets if t.experts > 1]
+    assert [t.name.rsplit(".", 1)[-1] for t in experts] == ["gate_up_proj", "down_proj"] * 2
+    before = {t.name: t.weight.detach().clone() for t in experts}
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32"):
+        loss = model(**fixed_batch(batch=4, seq=12)).loss
+    loss.backward()
+    optimizer.step()
+    assert optimizer.stats["update_index"] == 1
+    for target in experts:
+        weight, old = target.weight.detach(), before[target.name]
+        assert torch.isfinite(weight).all()
+        moved = [not torch.equal(weight[e], old[e]) for e in range(target.experts)]
+        assert moved == [True, True, True, False], target.name
+        ratio = float((weight - old).norm() / old.norm())
+        assert ratio == pytest.approx(6e-5, rel=0.02)
+
+
+def test_kl_probe_includes_expert_updates():
+    """The JVP probe's predicted KL of an update that moves only experts equals the exact KL of the
+    model with that update merged densely into the 3-D weights, divided by ε² (float64, small ε)."""
+    model = tiny_qwen3_moe(dtype=torch.float64)
+    optimizer = LoGRAOptimizer(patch_model(model, target_modules=["o_proj"]), rank=4)
+    generator = torch.Generator().manual_seed(3)
+    factors = [
+        torch.randn(t.shape[0], 4, generator=generator, dtype=torch.float64) * 0.05 * (t.experts > 1)
+        for t in optimizer.targets
+    ]
+    batch = fixed_batch(batch=2, seq=10)
+    contexts = contexts_from_batch(batch["input_ids"])
+    predicted, tokens, _ = jvp_predicted_kl(model, [t.state for t in optimizer.targets], factors, contexts)
+    assert predicted > 0
+
+    epsilon = 1e-4
+    merged = copy.deepcopy(model)
+    unpatch_model(merged)
+    with torch.no_grad():
+        for target, factor in zip(optimizer.targets, factors):
+            if target.experts > 1:
+                weight = merged.get_parameter(target.parameter_name)
+                delta = factor @ target.state.projection.double()  # [E·d, k]
+                weight -= epsilon * delta.view(weight.shape)
+        model.eval(), merged.eval()
+        before = model(input_ids=batch["input_ids"]).logits[contexts.probe_mask]
+        after = merged(input_ids=batch["input_ids"]).logits[contexts.probe_mask]
+    exact = float(kl_divergence(before, after).sum()) / epsilon**2
+    assert float(predicted) == pytest.approx(exact, rel=1e-3)
+
+
+def test_state_dict_resumes_every_expert_bit_identically():
+    """Save after one update (``torch.load(weights_only=True)``), resume in a copy, and the next
+    update matches the uninterrupted run exactly, experts included."""
+    model = tiny_qwen3_moe()
+    optimizer = LoGRAOptimizer(patch_model(model), rank=4, kl_budget=None, update_ratio=1e-3)
+    model.train()
+
+    def update(m, opt, seed):
+        m(**fixed_batch(batch=2, seq=10, seed=seed)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    update(model, optimizer, 1)
+    buffer = io.BytesIO()
+    torch.save(optimizer.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    assert state["state"][len(optimizer.targets) - 1]["row_second_moment"].shape == (4 * 32,)  # E·d rows
+    resumed_model = copy.deepcopy(model)
+    unpatch_model(resumed_model)
+    resumed = LoGRAOptimizer(patch_model(resumed_model), rank=4, kl_budget=None, update_ratio=1e-3)
+    resumed.load_state_dict(state)
+    resumed_model.train()
+    update(model, optimizer, 2)
+    update(resumed_model, resumed, 2)
+    for (name, a), b in zip(model.named_parameters(), resumed_model.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_unsupported_experts_layouts_are_refused_by_name():
+    """A module with stacked weights in an unknown layout, expert parallelism and a transposed
+    layout (GPT-OSS) are clear errors naming the module; ``experts=False`` leaves them frozen with a
+    warning, and unpatching restores every flag."""
+
+    class Stacked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(2, 3, 4))
+            self.o_proj = nn.Linear(4, 4)
+
+    with pytest.raises(ValueError, match=r"experts module '' \(Stacked\).*experts=False"):
+        patch_model(Stacked())
+    model = Stacked()
+    with pytest.warns(UserWarning, match="froze 1 stacked expert weights"):
+        patch_model(model, experts=False)
+    assert [a for _, _, a in patched_targets(model)] == ["weight"]
+    unpatch_model(model)
+    assert model.w.requires_grad
+
+    parallel = tiny_qwen3_moe()
+    parallel.model.layers[1].mlp.experts._is_expert_parallel = True
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.experts.*expert parallelism"):
+        patch_model(parallel)
+    assert not patched_targets(parallel)  # nothing changed
+
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    config = GptOssConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, num_local_experts=2, num_experts_per_tok=1,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"GptOssExperts.*transposed"):
+        patch_model(GptOssForCausalLM(config))
+
+
+def test_unpatch_restores_the_experts_module():
+    model = tiny_qwen3_moe()
+    experts = model.model.layers[0].mlp.experts
+    patch_model(model)
+    assert "forward" in experts.__dict__ and not experts.gate_up_proj.requires_grad
+    assert target_state(experts, "down_proj").experts == 4
+    unpatch_model(model)
+    assert "forward" not in experts.__dict__ and not hasattr(experts, "_logra_experts")
+    assert experts.gate_up_proj.requires_grad and experts.down_proj.requires_grad
+    assert all(p.requires_grad for p in model.parameters())
