@@ -329,16 +329,17 @@ def patch_model(
 
 def _warn_about_frozen_experts(model: nn.Module, frozen: dict[str, bool]) -> None:
     """Stacked expert weights (``[E, out, in]``, transformers' ``*Experts`` modules) hold most of a
-    mixture-of-experts model's parameters; a user who froze them by accident would train only
-    attention without noticing, so say which ones were frozen."""
+    mixture-of-experts model's parameters; a user who left them out (``experts=False``) would
+    otherwise train only attention without noticing, so say which ones were frozen."""
     params = dict(model.named_parameters())
     experts = [(name, tuple(params[name].shape)) for name in frozen if name in params and params[name].dim() >= 3]
     if experts:
         name, shape = experts[0]
         warnings.warn(
-            f"patch_model froze {len(experts)} stacked expert weights that LoGRA cannot target yet (mixture-of-"
-            f"experts, e.g. {name!r} {list(shape)}): they will not be trained. To train them densely, set their "
-            "requires_grad back to True and pass non_target_optimizer=... to LoGRAOptimizer",
+            f"patch_model froze {len(experts)} stacked expert weights left out of LoGRA's targets (mixture-of-"
+            f"experts, experts=False, e.g. {name!r} {list(shape)}): they will not be trained. To train them with "
+            "LoGRA, patch with experts=True (the default); to train them densely, set their requires_grad back to "
+            "True and pass non_target_optimizer=... to LoGRAOptimizer",
             stacklevel=3,
         )
 
