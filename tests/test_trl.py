@@ -304,6 +304,29 @@ def test_grpo_improves_reward_on_toy_task(tmp_path):
     assert last > first + 0.2, (first, last)
 
 
+def test_grpo_on_a_mixture_of_experts_model_trains_every_expert_and_learns(tmp_path):
+    """The same two lines on a tiny Qwen3-MoE (4 experts, top-2), bf16 autocast as on a GPU: every
+    expert of every layer moves and the reward rises (seed 0: 0.26 → 0.90 over 50 steps; seeds 1, 2:
+    0.25 → 0.90, 0.24 → 0.83; fp32 seed 0: 0.26 → 0.90)."""
+    model = setup.build_moe_policy()
+    before = {name: p.detach().clone() for name, p in model.named_parameters() if ".experts." in name}
+    trainer = setup.build_trainer(
+        "grpo", model, tmp_path, max_steps=50, per_device_train_batch_size=32, lr_scheduler_type="constant", bf16=True
+    )
+    callback = quiet_attach(trainer)
+    trainer.train()
+    assert sum(t.experts > 1 for t in callback.optimizer.targets) == 4
+    for name, parameter in trainer.model.named_parameters():
+        if name in before:
+            moved = [not torch.equal(parameter[e], before[name][e]) for e in range(parameter.shape[0])]
+            assert all(moved), (name, moved)
+    first = setup.mean_logged(trainer.state.log_history, "reward", slice(None, 5))
+    last = setup.mean_logged(trainer.state.log_history, "reward", slice(-5, None))
+    print(f"mean reward: first 5 steps {first:.3f}, last 5 steps {last:.3f}")
+    assert first < 0.4
+    assert last > first + 0.3, (first, last)
+
+
 # ---------------------------------------------------------------------------------------------------
 # The rollout/trainer mismatch κ
 

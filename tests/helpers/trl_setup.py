@@ -69,6 +69,37 @@ def build_policy(seed: int = 0):
     return Qwen2ForCausalLM(config)
 
 
+def build_moe_policy(seed: int = 0):
+    """The tiny Qwen3-MoE policy (fp32, 4 experts top-2 in both layers, eager experts): the same
+    vocabulary and size class as :func:`build_policy`."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=176,
+        moe_intermediate_size=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+        pad_token_id=SPECIAL["<pad>"],
+        eos_token_id=SPECIAL["<eos>"],
+        bos_token_id=SPECIAL["<bos>"],
+    )
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config)
+    model.config._experts_implementation = "eager"
+    return model
+
+
 def save_policy(directory, seed: int = 0) -> str:
     """Save the policy and tokenizer to ``directory`` (for trainers given a model path); returns it."""
     directory = str(directory)
