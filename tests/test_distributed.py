@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from logra_optim import LoGRAOptimizer, patch_model
 from logra_optim import distributed as dp
 from logra_optim.updates import merge_low_rank_
-from tests.distributed_workers.common import CONFIGS, MODES, build_model, reference, trained_weights
+from tests.distributed_workers.common import CONFIGS, MODES, MOE_MODES, build_model, reference, trained_weights
 from tests.helpers.reference import merged
 from tests.helpers.tiny import TwoLinear
 
@@ -60,8 +60,8 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(config: str, mode: str) -> dict:
-    return reference(config, mode)
+def _reference(config: str, mode: str, moe: bool = False) -> dict:
+    return reference(config, mode, moe=moe)
 
 
 @pytest.mark.parametrize(
@@ -93,6 +93,19 @@ def test_two_ranks_on_half_batches_equal_one_process_on_the_full_batch(mode, tmp
         for name, weight in want["weights"].items():
             assert _relative_error(got["weights"][name], weight) < 1e-6, name
         assert got["alphas"] == pytest.approx(want["alphas"], rel=1e-5)
+
+    if mode in MOE_MODES:  # mixture of experts: every expert of every layer, with the probe through them
+        want, got = _reference("kl", mode, moe=True), results["moe"]
+        initial = trained_weights(build_model(moe=True))
+        assert sum(".experts." in name for name in want["weights"]) == 4
+        for name, weight in want["weights"].items():
+            assert _relative_error(weight, initial[name]) > 1e-4, name
+            assert _relative_error(got["weights"][name], weight) < 1e-6, name
+        assert got["alphas"] == pytest.approx(want["alphas"], rel=1e-5)
+        if mode == "fsdp2":  # uneven shards over experts: rank 0 holds experts 0–1, rank 1 expert 2
+            first, second = results["moe_layouts"]
+            assert {kind for kind, _, _ in first + second} == {"rows"}
+            assert all(a[2] == b[1] and a[2] - a[1] == 2 * (b[2] - b[1]) for a, b in zip(first, second))
 
     # Every rank holds the same weights (replicated engines: its own copy; sharded: gathered).
     first, second = results["per_rank"]

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from logra_optim import LoGRAOptimizer, patch_model, patched_modules
-from tests.helpers.tiny import fixed_batch, tiny_qwen2
+from logra_optim import LoGRAOptimizer, patch_model, patched_targets
+from tests.helpers.tiny import fixed_batch, tiny_qwen2, tiny_qwen3_moe
 
 WORLD = 2
 STEPS = 3
@@ -24,6 +24,8 @@ CONFIGS = {
     "kl-check": dict(COMMON, kl_budget=1e-3, alpha_max=10.0, realised_kl_check=True, realised_kl_tolerance=0.02),
 }
 MODES = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
+# Modes that also run the mixture-of-experts model (config "kl": the probe goes through the experts).
+MOE_MODES = ("ddp", "fsdp2")
 
 
 def external_non_target(config: str) -> bool:
@@ -33,11 +35,12 @@ def external_non_target(config: str) -> bool:
     return config == "kl-check"
 
 
-def build_model() -> torch.nn.Module:
+def build_model(moe: bool = False) -> torch.nn.Module:
     """The tiny Qwen2, patched, with the final norm trainable (DDP and DeepSpeed refuse a model
     without a trainable parameter). ``intermediate_size=97`` gives gate/up odd row counts (uneven
-    FSDP2 shards) and ZeRO-3 partitions that end mid-row."""
-    model = patch_model(tiny_qwen2(intermediate_size=97))
+    FSDP2 shards) and ZeRO-3 partitions that end mid-row. ``moe``: the tiny Qwen3-MoE instead, with
+    3 experts per layer, so that FSDP2's shards over experts (``Shard(0)`` of ``[E, d, k]``) are uneven."""
+    model = patch_model(tiny_qwen3_moe(num_experts=3) if moe else tiny_qwen2(intermediate_size=97))
     model.model.norm.weight.requires_grad_(True)
     return model.train()
 
@@ -56,9 +59,9 @@ def logra_kwargs(config: str, world: int, mode: str) -> dict:
     return kwargs
 
 
-def reference(config: str, mode: str, steps: int = STEPS) -> dict:
+def reference(config: str, mode: str, steps: int = STEPS, moe: bool = False) -> dict:
     """One process, the full batch, the same settings as ``mode``'s: final weights and per-step α."""
-    model = build_model()
+    model = build_model(moe)
     kwargs = logra_kwargs(config, 1, mode)
     norm_sgd = torch.optim.SGD([model.model.norm.weight], lr=NON_TARGET_LR)
     if external_non_target(config):
@@ -79,9 +82,9 @@ def reference(config: str, mode: str, steps: int = STEPS) -> dict:
 
 
 def trained_weights(model) -> dict[str, torch.Tensor]:
-    """Target weights and the final norm, by canonical name (plain tensors)."""
+    """Target weights (stacked experts included) and the final norm, by canonical name (plain tensors)."""
     from logra_optim import canonical_name
 
-    out = {canonical_name(name): module.weight.detach().clone() for name, module in patched_modules(model)}
+    out = {canonical_name(name): getattr(m, a).detach().clone() for name, m, a in patched_targets(model)}
     out["model.norm.weight"] = model.model.norm.weight.detach().clone()
     return out

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from logra_optim import LoGRAOptimizer
 from tests.distributed_workers.common import (
     CONFIGS,
+    MOE_MODES,
     NON_TARGET_LR,
     STEPS,
     build_model,
@@ -50,9 +51,9 @@ def deepspeed_config(stage: int, persistent: bool = False) -> dict:
 class Run:
     """One training setup: ``forward(batch) -> loss``, ``backward``, ``step``, ``weights``, ``save``/``load``."""
 
-    def __init__(self, mode: str, config: str, root_only: bool = False, persistent: bool = False):
+    def __init__(self, mode: str, config: str, root_only: bool = False, persistent: bool = False, moe: bool = False):
         self.mode, self.config = mode, config
-        self.model = build_model()
+        self.model = build_model(moe)
         kwargs = logra_kwargs(config, dist.get_world_size(), mode)
         sgd = lambda params: torch.optim.SGD(params, lr=NON_TARGET_LR)  # noqa: E731
         # Non-targets (the final norm): LoGRA's non_target_optimizer, or an SGD stepped after LoGRA's
@@ -180,6 +181,12 @@ def main() -> None:
         except ValueError as error:
             results["jvp_error"] = str(error)
         del run
+    if mode in MOE_MODES:  # stacked experts: replicated (DDP) or sharded over experts (FSDP2)
+        run = Run(mode, "kl", moe=True)
+        results["moe"] = trained(run, with_state=True)
+        layouts = [(t.layout.kind, t.layout.start, t.layout.stop) for t in run.opt.targets if t.experts > 1]
+        results["moe_layouts"] = [None] * dist.get_world_size()
+        dist.all_gather_object(results["moe_layouts"], layouts)
     if mode == "fsdp2":
         results["kl-check-root-only"] = trained(Run(mode, "kl-check", root_only=True))
 
