@@ -425,10 +425,16 @@ def bench_preset(name: str) -> dict:
 
 
 def build_tiny_model(config: dict, **extra):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    settings = dict(config)
+    model_type = settings.pop("model_type", "qwen2")
     torch.manual_seed(0)
-    return Qwen2ForCausalLM(Qwen2Config(**config, use_cache=False, attn_implementation="sdpa", **extra)).train()
+    built = AutoConfig.for_model(model_type, **settings, use_cache=False, attn_implementation="sdpa", **extra)
+    model = AutoModelForCausalLM.from_config(built)
+    if model_type == "qwen3_moe":
+        model.config._experts_implementation = "eager"
+    return model.train()
 
 
 def write_config(directory, config: dict):
@@ -450,6 +456,32 @@ SHAPES = [
         tie_word_embeddings=True,
     ),
 ]
+# A tiny Qwen3-MoE: 4 experts of width 48, 2 routed per token, in both layers.
+MOE_CONFIG = dict(
+    model_type="qwen3_moe",
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=48,
+    num_experts=4,
+    num_experts_per_tok=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=300,
+    num_hidden_layers=2,
+    tie_word_embeddings=False,
+)
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def lora_model(config: dict, rank: int):
+    """peft LoRA at ``rank`` on the targets of ``config``'s model (experts: ``target_parameters``)."""
+    from peft import LoraConfig, get_peft_model
+
+    moe = "num_experts" in config
+    names = TARGET_NAMES[:4] if moe else TARGET_NAMES
+    lora = LoraConfig(r=rank, target_modules=names, target_parameters=EXPERT_PARAMETERS if moe else None)
+    return get_peft_model(build_tiny_model(config), lora)
 
 
 @pytest.mark.parametrize("config", SHAPES)
@@ -460,13 +492,24 @@ def test_parameter_and_target_counts_match_the_real_model(config):
     shape = Shape.from_config(config)
     assert shape.params == sum(p.numel() for p in model.parameters())
     real_targets = [tuple(module.weight.shape) for _, module in find_target_modules(model)]
-    assert sorted(real_targets) == sorted(shape.targets() * shape.layers)
+    assert sorted(real_targets) == sorted((d, k) for d, k, _ in shape.targets() * shape.layers)
 
 
-@pytest.mark.parametrize("config", SHAPES)
+def test_mixture_of_experts_counts_match_the_real_model():
+    from logra_optim import LoGRAOptimizer, patch_model
+
+    model = build_tiny_model(MOE_CONFIG)
+    shape = Shape.from_config(MOE_CONFIG)
+    assert (shape.experts, shape.expert_intermediate, shape.top_k) == (4, 48, 2)
+    assert shape.params == sum(p.numel() for p in model.parameters())
+    optimizer = LoGRAOptimizer(patch_model(model), rank=4)
+    real = sorted((t.shape[0] // t.experts, t.shape[1], t.experts) for t in optimizer.targets)
+    assert real == sorted(shape.targets() * shape.layers)
+    assert shape.target_params == sum(t.weight.numel() for t in optimizer.targets)
+
+
+@pytest.mark.parametrize("config", SHAPES + [MOE_CONFIG])
 def test_logra_and_lora_state_match_the_real_optimizers(config):
-    from peft import LoraConfig, get_peft_model
-
     from logra_optim import LoGRAOptimizer, patch_model
 
     rank = 8
@@ -476,7 +519,7 @@ def test_logra_and_lora_state_match_the_real_optimizers(config):
     optimizer = LoGRAOptimizer(patch_model(build_tiny_model(config)), rank=rank)
     assert predicted["sketches"] == sum(buffer.numel() * buffer.element_size() for buffer in optimizer.sketch_buffers())
 
-    lora = get_peft_model(build_tiny_model(config), LoraConfig(r=rank, target_modules=TARGET_NAMES))
+    lora = lora_model(config, rank)
     adapters = sum(p.numel() for p in lora.parameters() if p.requires_grad)
     assert plan_module.breakdown(shape, "lora", setting)["adapters + gradients + moments"] == 16 * adapters
 
@@ -498,13 +541,11 @@ def saved_activation_bytes(model, input_ids) -> int:
     return sum(storages.values())
 
 
-@pytest.mark.parametrize("config", SHAPES)
+@pytest.mark.parametrize("config", SHAPES + [MOE_CONFIG])
 @pytest.mark.parametrize("method", plan_module.METHODS)
 def test_activation_model_matches_what_autograd_saves(config, method):
     """The activation counts of ``plan`` (plus the fp32 log-softmax the loss keeps) are within 10%
-    of the bytes autograd really saves for dense training, LoRA and LoGRA."""
-    from peft import LoraConfig, get_peft_model
-
+    of the bytes autograd really saves for dense training, LoRA and LoGRA (mixture of experts too)."""
     from logra_optim import LoGRAOptimizer, patch_model
 
     rank, batch, seq = 8, 2, 48
@@ -512,7 +553,7 @@ def test_activation_model_matches_what_autograd_saves(config, method):
     if method == "logra":
         optimizer = LoGRAOptimizer(patch_model(model), rank=rank)  # noqa: F841  (a released optimizer unbinds)
     elif method == "lora":
-        model = get_peft_model(model, LoraConfig(r=rank, target_modules=TARGET_NAMES))
+        model = lora_model(config, rank)
     input_ids = torch.randint(0, config["vocab_size"], (batch, seq))
     measured = saved_activation_bytes(model, input_ids)
     setting = plan_module.Setting(rank=rank, dtype="fp32", batch=batch, seq=seq, checkpointing=False)

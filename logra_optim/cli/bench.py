@@ -49,12 +49,12 @@ from pathlib import Path
 
 import torch
 
-from logra_optim import LoGRAOptimizer, find_target_modules, patch_model
+from logra_optim import LoGRAOptimizer, find_experts_modules, find_target_modules, patch_model
 
 from .arguments import choice_list, device, int_list, model_dir, positive_float, positive_int, writable_dir
 from .measure import GIB, memory_baseline, peak_memory, ratio, resolve_device, synchronize
 from .runner import run_fresh
-from .shapes import DEFAULT_LAYERS, PRESETS, Shape
+from .shapes import DEFAULT_LAYERS, PRESETS, Shape, preset_config
 
 METHODS = (
     "adamw",
@@ -108,6 +108,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--config", help="a config.json (or a directory holding one); random weights")
     source.add_argument("--model", type=model_dir, help="a local Hugging Face causal LM (its weights are loaded)")
     parser.add_argument("--layers", type=positive_int, help="keep this many decoder layers (default: the preset's)")
+    parser.add_argument(
+        "--experts", type=positive_int, help="mixture of experts: keep this many experts per layer (and top-k ≤ it)"
+    )
     parser.add_argument("--rank", type=positive_int, default=64, help="rank of LoGRA, LoRA and GaLore")
     parser.add_argument("--ranks", type=int_list, default=[], help="extra LoGRA RowAdam ranks (comma-separated)")
     parser.add_argument(
@@ -151,12 +154,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def model_config(spec: dict):
     """The ``transformers`` config of the benchmarked model (preset, config file or local model)."""
-    from transformers import AutoConfig, Qwen2Config
+    from transformers import AutoConfig
 
     if spec.get("model") or spec.get("config"):
         config = AutoConfig.from_pretrained(spec.get("model") or spec["config"])
     else:
-        config = Qwen2Config(**PRESETS[spec["preset"]], max_position_embeddings=max(spec["seq"], 64))
+        config = preset_config(spec["preset"], max_position_embeddings=max(spec["seq"], 64))
+    if spec.get("experts"):
+        if not getattr(config, "num_experts", None):
+            raise ValueError(f"--experts {spec['experts']}: the model has no mixture-of-experts blocks")
+        config.num_experts = spec["experts"]
+        config.num_experts_per_tok = min(config.num_experts_per_tok, spec["experts"])
     if spec.get("layers"):
         config.num_hidden_layers = spec["layers"]
         if getattr(config, "layer_types", None):  # per-layer attention kinds must match the count
@@ -199,8 +207,15 @@ def make_optimizer(
         )
         return model, optimizer
     targets = find_target_modules(model)
+    # Stacked experts (mixture of experts): LoGRA's targets too; GaLore, APOLLO and Flora treat them
+    # as any other parameter.
+    experts = [
+        (f"{name}.{attribute}", getattr(m, attribute))
+        for name, m, names in find_experts_modules(model)
+        for attribute in names
+    ]
     if method == "adamw-targets":
-        weights = {id(module.weight) for _, module in targets}
+        weights = {id(module.weight) for _, module in targets} | {id(weight) for _, weight in experts}
         for parameter in model.parameters():
             parameter.requires_grad_(id(parameter) in weights)
         return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **DENSE_ADAMW)
@@ -208,7 +223,11 @@ def make_optimizer(
         from peft import LoraConfig, get_peft_model
 
         names = sorted({name.rsplit(".", 1)[-1] for name, _ in targets})
-        model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=names))
+        parameters = sorted({".".join(name.split(".")[-3:]) for name, _ in experts}) or None  # mlp.experts.down_proj
+        config = LoraConfig(
+            r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=names, target_parameters=parameters
+        )
+        model = get_peft_model(model, config)
         return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **DENSE_ADAMW)
     if method == "galore":
         from galore_torch import GaLoreAdamW
@@ -287,6 +306,8 @@ def run_worker(spec: dict) -> dict:
         else sum(p.numel() for group in optimizer.param_groups for p in group["params"]),
         "total_params": sum(p.numel() for p in model.parameters()),
         "layers": model.config.num_hidden_layers,
+        "experts": getattr(model.config, "num_experts", None) or 0,
+        "top_k": getattr(model.config, "num_experts_per_tok", None) or 0,
     }
 
 
@@ -414,6 +435,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
         config=args.config,
         model=args.model,
         layers=layers,
+        experts=args.experts,
         batch=args.batch,
         seq=args.seq,
         warmup=args.warmup,
@@ -443,8 +465,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
     results = [summarize(config, runs) for config, runs in samples.items()]
     source = args.model or args.config or f"preset {args.preset}"
     base_params = next(r["total_params"] for r in results if not r["method"] == "lora")  # LoRA adds adapters
+    first = samples[configs[0]][0]
+    experts = f" of {first['experts']} experts (top-{first['top_k']})" if first.get("experts") else ""
     title = (
-        f"{source}, {samples[configs[0]][0]['layers']} layers, {base_params / 1e6:.0f} M params; "
+        f"{source}, {first['layers']} layers{experts}, {base_params / 1e6:.0f} M params; "
         f"batch {args.batch}×{args.seq}"
         + (f" × {args.accumulation} microbatches" if args.accumulation > 1 else "")
         + f"; {device}"

@@ -74,13 +74,36 @@ def _layer_activations(shape: Shape, method: str, rank: int) -> int:
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     # An RMSNorm keeps its input; its normalised output too when its weight needs a gradient.
     norms = 4 * h if method == "adamw" else 2 * h
-    attention, gated = 2 * q + 2 * kv, 3 * i
+    attention = 2 * q + 2 * kv
+    if shape.qk_norm:  # Qwen3's RMSNorms of queries and keys, as the layer norms above
+        attention += (2 if method == "adamw" else 1) * (q + kv)
+    if shape.experts:
+        return norms + attention + _routed_activations(shape, method, rank)
+    gated = 3 * i
     linear_inputs = h + q + h + i  # inputs of q/k/v (shared), o, gate/up (shared), down
     if method == "logra":
         return norms + attention + gated + 4 * rank  # x Aᵀ instead of x: one per shared input
     if method == "lora":
         return norms + attention + gated + linear_inputs + 7 * rank  # + each adapter's r-wide output
     return norms + attention + gated + linear_inputs
+
+
+def _routed_activations(shape: Shape, method: str, rank: int) -> int:
+    """Elements kept per token by a mixture-of-experts layer besides its norms and attention (measured
+    on transformers' eager experts and LoGRA's routed computation; ``tests/test_cli.py`` checks them).
+
+    Per routed copy of a token (``top_k`` per token): dense training keeps the gate_up output
+    (``2I``), the gated activation and the down input (``2I``), and three ``H``-wide tensors (the
+    gate_up input, the down output the routing weight multiplies, the summed-back output). LoGRA
+    keeps ``x Aᵀ`` (``r``) for both expert inputs instead of the inputs themselves (``I`` and ``H``
+    less). Attention's inputs are as in a dense layer; the router keeps its ``E`` scores and
+    ``top_k`` weights (and its input, when it is trained)."""
+    h, q, k, ie = shape.hidden, shape.heads * shape.head_dim, shape.top_k, shape.expert_intermediate
+    router = shape.experts + k + (h if method == "adamw" else 0)  # a trained router also keeps its input
+    if method == "logra":
+        return router + 2 * rank + k * (3 * ie + 2 * h + 2 * rank)
+    adapters = 4 * rank if method == "lora" else 0  # the attention adapters' r-wide outputs
+    return router + h + q + adapters + k * (4 * ie + 3 * h)
 
 
 def breakdown(shape: Shape, method: str, setting: Setting) -> dict[str, float]:
@@ -97,10 +120,10 @@ def breakdown(shape: Shape, method: str, setting: Setting) -> dict[str, float]:
         parts["optimizer state"] = (8 + master) * shape.params / shard
         parts["optimizer step temporaries"] = 4 * shape.params / shard
     elif method == "lora":
-        adapters = shape.layers * sum((d + k) * r for d, k in shape.targets())
+        adapters = shape.layers * sum((d + k) * r * n for d, k, n in shape.targets())  # per expert (peft)
         parts["adapters + gradients + moments"] = 16 * adapters / shard
     else:
-        outs = shape.layers * sum(d for d, _ in shape.targets())
+        outs = shape.layers * sum(d * n for d, _, n in shape.targets())
         ins = shape.layers * sum(shape.projection_widths())
         parts["sketches"] = 4 * outs * r
         parts["projections"] = (4 + (0 if a == 4 else a)) * ins * r
@@ -112,6 +135,11 @@ def breakdown(shape: Shape, method: str, setting: Setting) -> dict[str, float]:
     else:
         kept = shape.layers * per_layer
     parts["activations"] = a * kept * setting.tokens
+    if method == "lora" and shape.experts:
+        # peft's LoRA on stacked experts (target_parameters) runs each layer on W + B A, formed whole
+        # and kept for backward: one layer's expert weights per layer in flight.
+        expert_params = sum(d * k * n for d, k, n in shape.targets() if n > 1)
+        parts["activations"] += a * expert_params * (1 if setting.checkpointing else shape.layers)
     parts["logits"] = (12 + a) * shape.vocab * setting.tokens
     return parts
 

@@ -63,10 +63,62 @@ PRESETS: dict[str, dict] = {
         num_hidden_layers=28,
         tie_word_embeddings=False,
     ),
+    # Mixture of experts (transformers' Qwen3-MoE): the published Qwen3-30B-A3B (48 layers of 128
+    # experts, 8 routed per token), and ``moe-core``, its layer cut to what a 24 GiB CPU machine runs
+    # with dense AdamW beside it: 32 of the 128 experts (8 routed), 2 layers, a 32k vocabulary (as
+    # ``core``, so that dense AdamW's embeddings do not decide the ratios).
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe",
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        num_hidden_layers=48,
+        tie_word_embeddings=False,
+    ),
+    "moe-core": dict(
+        model_type="qwen3_moe",
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=32,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=32000,
+        num_hidden_layers=2,
+        tie_word_embeddings=False,
+    ),
 }
 # How many decoder layers ``logra bench`` keeps of each preset by default: the full 24–28 of the
 # Qwen2.5 models do not fit dense AdamW into a 24 GiB, 2-core machine. ``logra plan`` keeps them all.
-DEFAULT_LAYERS = {"tiny": 2, "core": 4, "qwen2.5-0.5b": 2, "qwen2.5-1.5b": 2, "qwen2.5-7b": 1}
+DEFAULT_LAYERS = {
+    "tiny": 2,
+    "core": 4,
+    "qwen2.5-0.5b": 2,
+    "qwen2.5-1.5b": 2,
+    "qwen2.5-7b": 1,
+    "qwen3-30b-a3b": 1,
+    "moe-core": 2,
+}
+# Presets of dense (Qwen2) models; the others name their ``model_type``.
+DENSE_PRESETS = tuple(name for name, preset in PRESETS.items() if "model_type" not in preset)
+
+
+def preset_config(name: str, **overrides):
+    """The ``transformers`` config of preset ``name`` (Qwen2 unless it names a ``model_type``)."""
+    from transformers import AutoConfig
+
+    settings = {**PRESETS[name], **overrides}
+    return AutoConfig.for_model(settings.pop("model_type", "qwen2"), **settings)
 
 
 def read_config(source: str) -> dict:
@@ -86,7 +138,10 @@ def read_config(source: str) -> dict:
 
 @dataclass(frozen=True)
 class Shape:
-    """A Llama/Qwen/Mistral-style decoder: attention q/k/v/o and a gated MLP per layer."""
+    """A Llama/Qwen/Mistral-style decoder: attention q/k/v/o and a gated MLP per layer, or with
+    ``experts`` > 0 a mixture-of-experts block in every layer (``experts`` gated MLPs of width
+    ``expert_intermediate``, ``top_k`` of them per token; shared experts and dense layers between
+    MoE layers are not modelled)."""
 
     hidden: int
     intermediate: int
@@ -96,6 +151,10 @@ class Shape:
     head_dim: int
     vocab: int
     tied: bool
+    experts: int = 0
+    expert_intermediate: int = 0
+    top_k: int = 0
+    qk_norm: bool = False  # Qwen3's per-head RMSNorm of queries and keys
 
     @classmethod
     def from_config(cls, config: dict) -> Shape:
@@ -103,6 +162,7 @@ class Shape:
         try:
             hidden = config["hidden_size"]
             heads = config["num_attention_heads"]
+            experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
             return cls(
                 hidden=hidden,
                 intermediate=config["intermediate_size"],
@@ -112,6 +172,12 @@ class Shape:
                 head_dim=config.get("head_dim") or hidden // heads,
                 vocab=config["vocab_size"],
                 tied=bool(config.get("tie_word_embeddings", False)),
+                experts=experts or 0,
+                expert_intermediate=(config.get("moe_intermediate_size") or config["intermediate_size"])
+                if experts
+                else 0,
+                top_k=(config.get("num_experts_per_tok") or 1) if experts else 0,
+                qk_norm=str(config.get("model_type", "")).startswith("qwen3"),
             )
         except KeyError as missing:
             raise ValueError(
@@ -119,28 +185,36 @@ class Shape:
                 "decoders (hidden_size, intermediate_size, num_hidden_layers, …)"
             ) from None
 
-    def targets(self) -> list[tuple[int, int]]:
-        """(out d, in k) of one layer's LoGRA targets: q, k, v, o, gate, up, down."""
+    def targets(self) -> list[tuple[int, int, int]]:
+        """(out d, in k, matrices) of one layer's LoGRA targets: q, k, v, o, gate, up, down (one
+        matrix each), or q, k, v, o and the stacked experts' gate_up and down (``experts`` each)."""
         h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
-        return [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)]
+        attention = [(q, h, 1), (kv, h, 1), (kv, h, 1), (h, q, 1)]
+        if self.experts:
+            e, ie = self.experts, self.expert_intermediate
+            return attention + [(2 * ie, h, e), (h, ie, e)]
+        return attention + [(i, h, 1), (i, h, 1), (h, i, 1)]
 
     def projection_widths(self) -> list[int]:
         """In-width ``k`` of each projection ``A`` of one layer with shared projections (the
-        default): one for q/k/v, o, one for gate/up, down."""
-        return [self.hidden, self.heads * self.head_dim, self.hidden, self.intermediate]
+        default): one for q/k/v, o, one for gate/up (all experts' gate_up), down (all experts')."""
+        down = self.expert_intermediate if self.experts else self.intermediate
+        return [self.hidden, self.heads * self.head_dim, self.hidden, down]
 
     @property
     def max_rank(self) -> int:
         """The largest rank every target allows (LoGRA, LoRA and GaLore alike): the smallest dimension."""
-        return min(min(d, k) for d, k in self.targets())
+        return min(min(d, k) for d, k, _ in self.targets())
 
     @property
     def target_params(self) -> int:
-        return self.layers * sum(d * k for d, k in self.targets())
+        return self.layers * sum(d * k * n for d, k, n in self.targets())
 
     @property
     def params(self) -> int:
         embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
-        norms = self.layers * 2 * self.hidden + self.hidden
-        biases = self.layers * (self.heads + 2 * self.kv_heads) * self.head_dim  # q/k/v biases (Qwen2)
-        return self.target_params + embeddings + norms + biases
+        norms = self.layers * (2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)) + self.hidden
+        router = self.layers * self.experts * self.hidden
+        # q/k/v biases (Qwen2; Qwen3-MoE has none)
+        biases = 0 if self.experts else self.layers * (self.heads + 2 * self.kv_heads) * self.head_dim
+        return self.target_params + embeddings + norms + biases + router
