@@ -392,3 +392,20 @@ def test_expert_rank_is_the_experts_own_and_is_checkpointed():
         LoGRAOptimizer(patch_model(other), rank=8).load_state_dict(state)
     with pytest.raises(ValueError, match=r"expert_rank=25 is larger than target .*down_proj.*\(32×24"):
         LoGRAOptimizer(patch_model(tiny_qwen3_moe()), rank=8, expert_rank=25)
+
+
+def test_the_router_trains_with_a_non_target_optimizer():
+    """The router stays a non-target: frozen by default, or trained densely when unfrozen and given a
+    ``non_target_optimizer`` (its gradient flows through the routing weights of the routed computation)."""
+    model = patch_model(tiny_qwen3_moe())
+    routers = [layer.mlp.gate.weight for layer in model.model.layers]
+    assert not any(router.requires_grad for router in routers)
+    for router in routers:
+        router.requires_grad_(True)
+    before = [router.detach().clone() for router in routers]
+    optimizer = LoGRAOptimizer(model, rank=4, non_target_optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    model.train()
+    model(**fixed_batch(batch=2, seq=10)).loss.backward()
+    assert all(router.grad is not None and router.grad.abs().sum() > 0 for router in routers)
+    optimizer.step()
+    assert all(not torch.equal(router, old) for router, old in zip(routers, before))
