@@ -78,6 +78,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
     Args:
         model: the patched model (not its parameters).
         rank: sketch rank ``r``; at most every target's in and out size.
+        expert_rank: sketch rank of stacked mixture-of-experts weights (default: ``rank``). Their
+            sketches are ``E·d × r``, often the bulk of the sketch memory of a MoE model, and each
+            expert sees only its routed tokens: a lower rank than attention's usually suits them.
         kl_budget: predicted-KL budget ``δ`` per update: a number, a schedule ``f(update) -> δ``
             (e.g. :class:`~logra_optim.kl.CosineBudget`), or ``None`` to turn KL control off (α = 1).
         direction: ``"rowadam"`` (row second moment, docs/method.md §2) or ``"sgd"`` (``U = S``).
@@ -152,6 +155,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         rank: int = 256,
         kl_budget: float | Callable[[int], float] | None = None,
         *,
+        expert_rank: int | None = None,
         direction: str | None = None,
         optimizer: str | None = None,
         update_ratio: float | None = None,
@@ -191,6 +195,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         )
         options = StepOptions(
             rank=rank,
+            expert_rank=expert_rank,
             seed=int(seed),
             projection=projection,
             refresh=bool(refresh),
@@ -242,7 +247,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self.probe_skips = 0
         self.stats: dict[str, Any] = {}
         self._warned_eval_mode = False
-        self._bank = SketchBank([(t.shape[0], rank) for t in targets], [t.weight.device for t in targets])
+        self._bank = SketchBank(
+            [(t.shape[0], options.rank_for(t.experts)) for t in targets], [t.weight.device for t in targets]
+        )
         for target, sketch in zip(targets, self._bank.views):
             target.state.sketch = sketch
             target.state.owner = weakref.ref(self)
@@ -286,6 +293,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         return self._targets
 
     rank = property(lambda self: self.options.rank, doc="The sketch rank ``r``.")
+    expert_rank = property(
+        lambda self: self.options.rank_for(2), doc="The sketch rank of stacked experts (``rank`` unless set)."
+    )
     seed = property(lambda self: self.options.seed, doc="The base seed of the projections.")
     projection = property(lambda self: self.options.projection, doc="The projection kind.")
     refresh = property(lambda self: self.options.refresh, doc="Whether ``A`` is redrawn during training.")
@@ -308,7 +318,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         """Regenerate ``A`` of target ``index`` (fp32, on its weight's device)."""
         target = self._targets[index]
         seed = self.projection_seed(index, update_index)
-        return make_projection(seed, self.rank, target.shape[1], self.projection, device=target.weight.device)
+        rank = self.options.rank_for(target.experts)
+        return make_projection(seed, rank, target.shape[1], self.projection, device=target.weight.device)
 
     def sketch_buffers(self) -> list[torch.Tensor]:
         """The flat fp32 buffers holding every sketch (one per device), e.g. for an all-reduce."""
@@ -585,6 +596,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             self.seed,
             self.projection_index,
             self.rank,
+            self.expert_rank,
             self.projection,
             self.refresh,
             self.refresh_every,
@@ -643,6 +655,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             "update_index": self.update_index,
             "seed": self.seed,
             "rank": self.rank,
+            "expert_rank": self.expert_rank,
             "projection": self.projection,
             "refresh": self.refresh,
             "refresh_every": self.refresh_every,
@@ -665,6 +678,12 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             raise ValueError("not a LoGRAOptimizer state_dict: the 'logra' section is missing")
         if int(logra["rank"]) != self.rank:
             raise ValueError(f"state_dict was saved with rank={logra['rank']}, this optimizer has rank={self.rank}")
+        saved_expert_rank = int(logra.get("expert_rank", logra["rank"]))
+        if saved_expert_rank != self.expert_rank:
+            raise ValueError(
+                f"state_dict was saved with expert_rank={saved_expert_rank}, this optimizer has "
+                f"expert_rank={self.expert_rank}"
+            )
         if (non_target is None) != (self.non_target_optimizer is None):
             raise ValueError("state_dict and optimizer disagree on whether a non_target_optimizer is used")
         state_dict["param_groups"] = [upgrade_param_group(g) for g in state_dict["param_groups"]]

@@ -89,6 +89,7 @@ class StepOptions:
     kind, refresh, sharing between siblings) and how a factor is rounded and merged."""
 
     rank: int
+    expert_rank: int | None = None
     seed: int = 0
     projection: str = "rademacher"
     refresh: bool = True
@@ -99,6 +100,8 @@ class StepOptions:
 
     def __post_init__(self) -> None:
         _non_negative_int("rank", self.rank, minimum=1)
+        if self.expert_rank is not None:
+            _non_negative_int("expert_rank", self.expert_rank, minimum=1)
         _non_negative_int("refresh_every", self.refresh_every, minimum=1)
         if self.projection not in PROJECTIONS:
             raise ValueError(f"projection must be one of {PROJECTIONS}, got {self.projection!r}")
@@ -106,6 +109,10 @@ class StepOptions:
             isinstance(self.wire_dtype, torch.dtype) and self.wire_dtype.is_floating_point
         ):
             raise ValueError(f"wire_dtype must be a floating torch.dtype or None, got {self.wire_dtype!r}")
+
+    def rank_for(self, experts: int) -> int:
+        """The sketch rank of a target stacking ``experts`` matrices (``expert_rank`` for experts)."""
+        return self.expert_rank if experts > 1 and self.expert_rank is not None else self.rank
 
 
 @dataclass(frozen=True)
@@ -188,9 +195,11 @@ def check_targets(targets: Sequence[Target], step: StepOptions, kl: KLOptions) -
         )
     for target in targets:
         d, k = target.shape[0] // target.experts, target.shape[1]  # per expert for stacked experts
-        if step.rank > min(d, k):
+        rank = step.rank_for(target.experts)
+        if rank > min(d, k):
+            option = "expert_rank" if target.experts > 1 and step.expert_rank is not None else "rank"
             raise ValueError(
-                f"rank={step.rank} is larger than target {target.name!r} allows ({d}×{k}: rank must be ≤ {min(d, k)})"
+                f"{option}={rank} is larger than target {target.name!r} allows ({d}×{k}: it must be ≤ {min(d, k)})"
             )
         if target.state.owner is not None and target.state.owner() is not None:
             raise RuntimeError(

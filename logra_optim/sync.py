@@ -343,6 +343,12 @@ class UpdateRecorder:
     """
 
     def __init__(self, optimizer, rename=None):
+        experts = [target.name for target in optimizer.targets if target.experts > 1]
+        if experts:
+            raise ValueError(
+                f"sync payloads do not carry mixture-of-experts weights yet ({experts[0]!r}, …): a rollout engine "
+                "stores them fused (vLLM's FusedMoE) and the mapping is not written; sync full weights instead"
+            )
         self.rank = optimizer.rank
         self.projection = optimizer.projection
         self.rename = rename or (lambda name: name)

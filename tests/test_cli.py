@@ -562,6 +562,30 @@ def test_activation_model_matches_what_autograd_saves(config, method):
     assert predicted_saved == pytest.approx(measured, rel=0.10)
 
 
+def test_expert_rank_state_matches_the_real_optimizer():
+    """With a rank of their own for the experts, plan's sketches and projections are the bytes the
+    optimizer holds (each shared projection counted once)."""
+    from logra_optim import LoGRAOptimizer, patch_model
+
+    setting = plan_module.Setting(rank=8, expert_rank=4, dtype="fp32", batch=1, seq=8)
+    predicted = plan_module.breakdown(Shape.from_config(MOE_CONFIG), "logra", setting)
+    optimizer = LoGRAOptimizer(patch_model(build_tiny_model(MOE_CONFIG)), rank=8, expert_rank=4)
+    assert predicted["sketches"] == sum(buffer.numel() * buffer.element_size() for buffer in optimizer.sketch_buffers())
+    projections = {id(t.state.projection): t.state.projection for t in optimizer.targets}.values()
+    assert predicted["projections"] == sum(4 * a.numel() for a in projections)
+
+
+def test_plan_answers_the_moe_question(tmp_path):
+    """Qwen3-30B-A3B on 8 sharded 80 GB GPUs: the table prints for all three methods with the
+    experts' own rank, and dense AdamW fits there too (it does not at 4)."""
+    result = run_cli("plan", "qwen3-30b-a3b", "--gpus", "8", "--rank", "256", "--expert-rank", "32")
+    assert result.returncode == 0, result.stderr
+    assert "30.53 B parameters" in result.stdout and "experts rank 32" in result.stdout
+    result = run_cli("plan", "qwen3-30b-a3b", "--gpus", "4", "--rank", "256", "--expert-rank", "32")
+    fits = next(line for line in result.stdout.splitlines() if "fits 80 GiB" in line)
+    assert [cell.strip() for cell in fits.split("│")[2:5]] == ["no", "yes", "yes"]
+
+
 def test_plan_answers_the_27b_question(tmp_path):
     """A 27B-class config on 4 sharded 80 GB GPUs: the table prints, and dense AdamW does not fit."""
     config = dict(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import io
+import math
 
 import pytest
 import torch
@@ -369,3 +370,42 @@ def test_unpatch_restores_the_experts_module():
     assert "forward" not in experts.__dict__ and not hasattr(experts, "_logra_experts")
     assert experts.gate_up_proj.requires_grad and experts.down_proj.requires_grad
     assert all(p.requires_grad for p in model.parameters())
+
+
+def test_expert_rank_is_the_experts_own_and_is_checkpointed():
+    """``expert_rank`` sizes the experts' sketches and projections (attention keeps ``rank``), is
+    saved in the state_dict and checked on load, and a too-large one names the option."""
+    model = tiny_qwen3_moe()
+    optimizer = LoGRAOptimizer(patch_model(model), rank=8, expert_rank=2, kl_budget=1e-3)
+    ranks = {t.name.rsplit(".", 1)[-1]: t.state.sketch.shape[1] for t in optimizer.targets}
+    assert ranks == {"q_proj": 8, "k_proj": 8, "v_proj": 8, "o_proj": 8, "gate_up_proj": 2, "down_proj": 2}
+    assert all(t.state.projection.shape[0] == ranks[t.name.rsplit(".", 1)[-1]] for t in optimizer.targets)
+    model.train()
+    model(**fixed_batch(batch=2, seq=10)).loss.backward()
+    optimizer.step()
+    assert optimizer.stats["update_index"] == 1 and math.isfinite(optimizer.stats["predicted_kl"])
+    state = optimizer.state_dict()
+    assert state["logra"]["expert_rank"] == 2
+
+    other = tiny_qwen3_moe()
+    with pytest.raises(ValueError, match="expert_rank=2, this optimizer has expert_rank=8"):
+        LoGRAOptimizer(patch_model(other), rank=8).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"expert_rank=25 is larger than target .*down_proj.*\(32×24"):
+        LoGRAOptimizer(patch_model(tiny_qwen3_moe()), rank=8, expert_rank=25)
+
+
+def test_the_router_trains_with_a_non_target_optimizer():
+    """The router stays a non-target: frozen by default, or trained densely when unfrozen and given a
+    ``non_target_optimizer`` (its gradient flows through the routing weights of the routed computation)."""
+    model = patch_model(tiny_qwen3_moe())
+    routers = [layer.mlp.gate.weight for layer in model.model.layers]
+    assert not any(router.requires_grad for router in routers)
+    for router in routers:
+        router.requires_grad_(True)
+    before = [router.detach().clone() for router in routers]
+    optimizer = LoGRAOptimizer(model, rank=4, non_target_optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    model.train()
+    model(**fixed_batch(batch=2, seq=10)).loss.backward()
+    assert all(router.grad is not None and router.grad.abs().sum() > 0 for router in routers)
+    optimizer.step()
+    assert all(not torch.equal(router, old) for router, old in zip(routers, before))

@@ -56,6 +56,7 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 @dataclass(frozen=True)
 class Setting:
     rank: int = 256
+    expert_rank: int | None = None  # LoGRA's and LoRA's rank on stacked experts (default: rank)
     dtype: str = "bf16"
     batch: int = 1
     seq: int = 4096
@@ -67,8 +68,11 @@ class Setting:
     def tokens(self) -> int:
         return self.batch * self.seq
 
+    def rank_for(self, experts: int) -> int:
+        return self.expert_rank if experts > 1 and self.expert_rank is not None else self.rank
 
-def _layer_activations(shape: Shape, method: str, rank: int) -> int:
+
+def _layer_activations(shape: Shape, method: str, rank: int, expert_rank: int) -> int:
     """Elements kept per token by one decoder layer for the backward pass (see the module docstring)."""
     h, i = shape.hidden, shape.intermediate
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
@@ -78,7 +82,7 @@ def _layer_activations(shape: Shape, method: str, rank: int) -> int:
     if shape.qk_norm:  # Qwen3's RMSNorms of queries and keys, as the layer norms above
         attention += (2 if method == "adamw" else 1) * (q + kv)
     if shape.experts:
-        return norms + attention + _routed_activations(shape, method, rank)
+        return norms + attention + _routed_activations(shape, method, rank, expert_rank)
     gated = 3 * i
     linear_inputs = h + q + h + i  # inputs of q/k/v (shared), o, gate/up (shared), down
     if method == "logra":
@@ -88,7 +92,7 @@ def _layer_activations(shape: Shape, method: str, rank: int) -> int:
     return norms + attention + gated + linear_inputs
 
 
-def _routed_activations(shape: Shape, method: str, rank: int) -> int:
+def _routed_activations(shape: Shape, method: str, rank: int, expert_rank: int) -> int:
     """Elements kept per token by a mixture-of-experts layer besides its norms and attention (measured
     on transformers' eager experts and LoGRA's routed computation; ``tests/test_cli.py`` checks them).
 
@@ -101,7 +105,7 @@ def _routed_activations(shape: Shape, method: str, rank: int) -> int:
     h, q, k, ie = shape.hidden, shape.heads * shape.head_dim, shape.top_k, shape.expert_intermediate
     router = shape.experts + k + (h if method == "adamw" else 0)  # a trained router also keeps its input
     if method == "logra":
-        return router + 2 * rank + k * (3 * ie + 2 * h + 2 * rank)
+        return router + 2 * rank + k * (3 * ie + 2 * h + 2 * expert_rank)
     adapters = 4 * rank if method == "lora" else 0  # the attention adapters' r-wide outputs
     return router + h + q + adapters + k * (4 * ie + 3 * h)
 
@@ -120,16 +124,17 @@ def breakdown(shape: Shape, method: str, setting: Setting) -> dict[str, float]:
         parts["optimizer state"] = (8 + master) * shape.params / shard
         parts["optimizer step temporaries"] = 4 * shape.params / shard
     elif method == "lora":
-        adapters = shape.layers * sum((d + k) * r * n for d, k, n in shape.targets())  # per expert (peft)
+        adapters = shape.layers * sum((d + k) * setting.rank_for(n) * n for d, k, n in shape.targets())  # per expert
         parts["adapters + gradients + moments"] = 16 * adapters / shard
     else:
         outs = shape.layers * sum(d * n for d, _, n in shape.targets())
-        ins = shape.layers * sum(shape.projection_widths())
-        parts["sketches"] = 4 * outs * r
-        parts["projections"] = (4 + (0 if a == 4 else a)) * ins * r
+        parts["sketches"] = 4 * shape.layers * sum(d * n * setting.rank_for(n) for d, _, n in shape.targets())
+        widths = shape.projection_widths()
+        ins = sum(widths) * r if not shape.experts else (sum(widths[:2]) * r + sum(widths[2:]) * setting.rank_for(2))
+        parts["projections"] = (4 + (0 if a == 4 else a)) * shape.layers * ins
         parts["row statistics"] = 4 * outs
 
-    per_layer = _layer_activations(shape, method, r)
+    per_layer = _layer_activations(shape, method, r, setting.rank_for(2))
     if setting.checkpointing:
         kept = shape.layers * shape.hidden + per_layer
     else:
@@ -160,6 +165,9 @@ def peak(parts: dict[str, float]) -> float:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="a config.json, a directory holding one, or a `logra bench` preset name")
     parser.add_argument("--rank", type=positive_int, default=256)
+    parser.add_argument(
+        "--expert-rank", type=positive_int, help="mixture of experts: LoGRA's and LoRA's rank on the experts"
+    )
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="weights and activations")
     parser.add_argument("--batch", type=positive_int, default=1, help="sequences per GPU per micro-batch")
     parser.add_argument("--seq", type=positive_int, default=4096, help="tokens per sequence")
@@ -186,8 +194,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
     shape = Shape.from_config(config)
     if args.rank > shape.max_rank:
         parser.error(f"--rank {args.rank} exceeds the smallest target dimension ({shape.max_rank}) of this model")
+    if args.expert_rank is not None and not shape.experts:
+        parser.error("--expert-rank: the model has no mixture-of-experts blocks")
     setting = Setting(
         rank=args.rank,
+        expert_rank=args.expert_rank,
         dtype=args.dtype,
         batch=args.batch,
         seq=args.seq,
@@ -221,6 +232,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
         f"{shape.params / 1e9:.2f} B parameters ({shape.target_params / 1e9:.2f} B in targets); {setting.dtype}; "
         f"{setting.batch}×{setting.seq} tokens per GPU; {setting.gpus} GPU(s), {layout}; "
         f"checkpointing {checkpointing}; rank {setting.rank}"
+        + (f", experts rank {setting.expert_rank}" if setting.expert_rank is not None else "")
     )
     components = list(dict.fromkeys(c for parts in predictions.values() for c in parts))
     phase = {**dict.fromkeys(BACKWARD_PHASE, " (backward)"), **dict.fromkeys(STEP_PHASE, " (step)")}
