@@ -427,7 +427,7 @@ def check_fingerprints(
         other = everyone[rank]
         if other[0] != reference[0]:
             detail = (
-                "settings (seed, projection index, rank, kind, refresh, refresh_every, shared, targets) "
+                "settings (seed, projection index, rank, expert rank, kind, refresh, refresh_every, shared, targets) "
                 f"{reference[0]} on rank 0 vs {other[0]} on rank {rank}"
             )
             break

@@ -36,9 +36,12 @@ SUPPORTED_LAYOUTS = (
 )
 
 
-def has_stacked_weights(module: nn.Module) -> bool:
-    """Whether ``module`` holds 3-D parameters of its own (stacked experts, recognised or not)."""
-    return any(p.dim() == 3 for p in module.parameters(recurse=False))
+def holds_experts(module: nn.Module) -> bool:
+    """Whether ``module`` holds stacked expert weights, recognised or not: 3-D parameters of its own
+    in a module named ``*Experts`` (as every transformers experts class is) or with ``num_experts``.
+    Other 3-D parameters (convolutions of hybrid models) are not experts."""
+    named = type(module).__name__.endswith("Experts") or hasattr(module, "num_experts")
+    return named and any(p.dim() == 3 for p in module.parameters(recurse=False))
 
 
 def expert_weight_names(name: str, module: nn.Module) -> tuple[str, str]:

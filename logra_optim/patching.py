@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .experts import expert_weight_names, has_stacked_weights, probing_linear, routed_experts, sketching_linear
+from .experts import expert_weight_names, holds_experts, probing_linear, routed_experts, sketching_linear
 from .probe import output_embedding, perturbed_linear
 from .projection import canonical_name
 from .sketch import SharedProjection, sketched_linear
@@ -234,7 +234,7 @@ def find_experts_modules(model: nn.Module) -> list[tuple[str, nn.Module, tuple[s
     return [
         (name, module, expert_weight_names(name, module))
         for name, module in model.named_modules()
-        if has_stacked_weights(module)
+        if holds_experts(module)
     ]
 
 
@@ -331,8 +331,13 @@ def _warn_about_frozen_experts(model: nn.Module, frozen: dict[str, bool]) -> Non
     """Stacked expert weights (``[E, out, in]``, transformers' ``*Experts`` modules) hold most of a
     mixture-of-experts model's parameters; a user who left them out (``experts=False``) would
     otherwise train only attention without noticing, so say which ones were frozen."""
-    params = dict(model.named_parameters())
-    experts = [(name, tuple(params[name].shape)) for name in frozen if name in params and params[name].dim() >= 3]
+    experts = [
+        (f"{prefix}.{name}" if prefix else name, tuple(param.shape))
+        for prefix, module in model.named_modules()
+        if holds_experts(module)
+        for name, param in module.named_parameters(recurse=False)
+        if param.dim() == 3 and (f"{prefix}.{name}" if prefix else name) in frozen
+    ]
     if experts:
         name, shape = experts[0]
         warnings.warn(

@@ -243,6 +243,15 @@ def merge_low_rank_(
     return weight
 
 
+def rounding_remainder(exact: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
+    """``X − round(X)`` in ``rounded``'s dtype: what storing ``exact`` (fp32 or wider) in the 16-bit
+    ``rounded`` dropped, i.e. the compensation of :func:`merge_low_rank_compensated_` right after the
+    load, so that ``rounded + remainder`` is ``exact`` to within the remainder's own rounding."""
+    if exact.shape != rounded.shape:
+        raise ValueError(f"shapes differ: exact {tuple(exact.shape)}, rounded {tuple(rounded.shape)}")
+    return (exact.to(rounded.device, torch.float64) - rounded.double()).to(rounded.dtype)
+
+
 def merge_low_rank_compensated_(
     weight: torch.Tensor,
     compensation: torch.Tensor,
@@ -256,10 +265,12 @@ def merge_low_rank_compensated_(
 
     An RL update moves a weight by ~``6e-5·α`` of itself, far below half a bf16 ulp (~``2e-3``):
     rounded to nearest, every one of them is dropped. ``compensation`` (same shape and dtype as
-    ``W``, zeros after a full load) keeps what rounding dropped so far; each merge rounds
-    ``W + C − F A`` to ``W`` and keeps the remainder in ``C``, so ``W + C`` tracks the exact sum
-    and ``W`` stays within one rounding of it. This is for a rollout engine without fp32 master
-    weights (vLLM's in-place path); the trainer uses fp32 masters or stochastic rounding.
+    ``W``) keeps what rounding dropped so far; each merge rounds ``W + C − F A`` to ``W`` and keeps
+    the remainder in ``C``, so ``W + C`` tracks the exact sum and ``W`` stays within one rounding
+    of it. After loading wider values ``X`` into ``W``, start ``C`` at their rounding remainder
+    (:func:`rounding_remainder`), not at zero: otherwise ``W + C`` is off by up to half an ulp from
+    the start and later merges round against the wrong value. This is for a rollout engine without
+    fp32 master weights (vLLM's in-place path); the trainer uses fp32 masters or stochastic rounding.
     """
     if compensation.shape != weight.shape or compensation.dtype != weight.dtype:
         raise ValueError(

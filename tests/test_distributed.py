@@ -189,7 +189,7 @@ def test_guards_and_rank_summed_scalars(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     for rank, seen in enumerate(torch.load(tmp_path / "guards.pt", weights_only=False)):
         assert seen["seed"].startswith("RuntimeError") and "ranks [0, 1] disagree" in seen["seed"], rank
-        assert "(0, 0, 4, 'rademacher'" in seen["seed"] and "(1, 0, 4, 'rademacher'" in seen["seed"]
+        assert "(0, 0, 4, 4, 'rademacher'" in seen["seed"] and "(1, 0, 4, 4, 'rademacher'" in seen["seed"]
         assert "projection of target 'model.layers.1.mlp.down_proj' differs" in seen["projection"], rank
         assert seen["shard1"].startswith("ValueError") and "'model.layers.0.self_attn.o_proj'" in seen["shard1"]
         assert "Shard(dim=1)" in seen["shard1"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import io
 import math
+import warnings
 
 import pytest
 import torch
@@ -329,20 +330,32 @@ def test_unsupported_experts_layouts_are_refused_by_name():
     layout (GPT-OSS) are clear errors naming the module; ``experts=False`` leaves them frozen with a
     warning, and unpatching restores every flag."""
 
-    class Stacked(nn.Module):
+    class MyExperts(nn.Module):
         def __init__(self):
             super().__init__()
             self.w = nn.Parameter(torch.zeros(2, 3, 4))
             self.o_proj = nn.Linear(4, 4)
 
-    with pytest.raises(ValueError, match=r"experts module '' \(Stacked\).*experts=False"):
-        patch_model(Stacked())
-    model = Stacked()
+    with pytest.raises(ValueError, match=r"experts module '' \(MyExperts\).*experts=False"):
+        patch_model(MyExperts())
+    model = MyExperts()
     with pytest.warns(UserWarning, match="froze 1 stacked expert weights"):
         patch_model(model, experts=False)
     assert [a for _, _, a in patched_targets(model)] == ["weight"]
     unpatch_model(model)
     assert model.w.requires_grad
+
+    class Hybrid(nn.Module):  # a convolution's 3-D weight is not an expert: frozen, no error, no warning
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv1d(4, 4, 3)
+            self.o_proj = nn.Linear(4, 4)
+
+    hybrid = Hybrid()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        patch_model(hybrid)
+    assert not hybrid.conv.weight.requires_grad
 
     parallel = tiny_qwen3_moe()
     parallel.model.layers[1].mlp.experts._is_expert_parallel = True

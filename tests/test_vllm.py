@@ -526,10 +526,14 @@ def test_grpo_with_colocated_vllm_trains_and_syncs_compressed(tmp_path):
     assert result["kinds"][0] == "full" and set(result["kinds"][1:]) == {"compressed"}
     assert result["compressed_bytes"] < 0.2 * result["full_bytes"]
     assert result["engine_index"] == result["trainer_index"] == 40
-    # TRL builds its engine with dtype "auto", which vLLM turns into bf16 for an fp32 checkpoint: the
-    # engine's fp32 shadow copies equal the trainer's weights, its bf16 forward differs by rounding.
+    # TRL builds its engine with dtype "auto", which vLLM turns into bf16 for an fp32 checkpoint; its
+    # bf16 forward differs from the trainer's by rounding. Which copy the engine merges into depends
+    # on whether vLLM's CPU backend prepacked its linears, which varies with the machine's CPU.
     assert result["engine_dtype"] == "torch.bfloat16"
-    assert result["drift"] < 1e-6  # fp32 shadows equal the trainer's weights
+    if result["engine_mode"] == "reload":  # prepacked: the engine merges into fp32 shadows
+        assert result["drift"] < 1e-6  # fp32 shadows equal the trainer's weights
+    else:  # plain weights, merged in place: a bf16 copy with its compensation (seen: 3.5e-4 – 8.8e-4)
+        assert result["drift"] < 1e-3
     assert result["served_drift"] < result["served_bound"]  # bf16 kernels: rounding only
     assert result["engine_vs_trainer"] < 0.05
     assert result["sampling_logp_difference"] < 0.02

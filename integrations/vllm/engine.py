@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from logra_optim.projection import projection_seed
+from logra_optim.updates import rounding_remainder
 from logra_optim.sync import (
     PayloadError,
     SyncPayload,
@@ -246,15 +247,25 @@ class EngineUpdater:
                 state["shadows"][name] = tensor.detach().to("cpu", state["shadow_dtype"], copy=True)
 
     def _load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        """Checkpoint-format tensors into the engine: through the shadows in reload mode. What is
-        loaded is exact: nothing of it was rounded away, so its compensation starts again."""
-        compensation = self._engine_state()["compensation"]
+        """Checkpoint-format tensors into the engine: through the shadows in reload mode. A 16-bit
+        copy of a wider tensor keeps what the load rounded away as its compensation (see
+        :func:`~logra_optim.updates.merge_low_rank_compensated_`); any other copy holds the loaded
+        values exactly and needs none."""
+        state = self._engine_state()
         for name, _ in weights:
-            compensation.pop(name, None)
-        if self._engine_state()["mode"] == "reload":
+            state["compensation"].pop(name, None)
+        if state["mode"] == "reload":
             self._reload_with_groups(dict(weights))
         else:
             self.model().load_weights(weights)
+        for name, tensor in weights:
+            placement = state["placements"].get(name)
+            if placement is None or placement.whole_only:
+                continue
+            copy = self._copy_of(name)
+            if copy.element_size() < 4 and tensor.element_size() > copy.element_size():
+                exact = tensor.detach()[placement.factor_rows, placement.projection_cols]
+                state["compensation"][name] = rounding_remainder(exact, copy)
 
     def _check_tensors(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """What can be checked before vLLM's loader runs: floating tensors, and the shape of every

@@ -49,6 +49,7 @@ status = sync.engine.call("logra_status")[0]
 json.dump(
     {
         "engine_dtype": status["dtype"],
+        "engine_mode": status["mode"],
         "engine_index": status["index"],
         "trainer_index": sync.optimizer.update_index,
         **sync.drift(),
