@@ -22,6 +22,8 @@ accelerate = pytest.importorskip("accelerate")
 def bf16_accelerator():
     from accelerate.state import AcceleratorState
 
+    # Whatever a test before this one left (a Trainer initialises the state for its own precision).
+    AcceleratorState._reset_state(reset_partial_state=True)
     yield accelerate.Accelerator(mixed_precision="bf16", cpu=True)
     AcceleratorState._reset_state(reset_partial_state=True)
 
