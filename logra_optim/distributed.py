@@ -143,7 +143,7 @@ def local_data(weight: torch.Tensor, layout: WeightLayout) -> torch.Tensor:
     if layout.kind == FLAT:
         return weight.ds_tensor.data.view(-1)[: layout.stop - layout.start]
     data = weight.to_local().data if is_dtensor(weight) else weight.data
-    return data.view(-1, layout.shape[1]) if data.dim() == 3 else data
+    return data.flatten(0, 1) if data.dim() == 3 else data  # flatten: also a rank holding no expert
 
 
 def local_sq_norm(weight: torch.Tensor, layout: WeightLayout) -> torch.Tensor:

@@ -51,8 +51,8 @@ def expert_weight_names(name: str, module: nn.Module) -> tuple[str, str]:
     def refuse(why: str) -> ValueError:
         return ValueError(
             f"experts module {name!r} ({type(module).__name__}): {why}. LoGRA targets {SUPPORTED_LAYOUTS}. "
-            "Pass patch_model(..., experts=False) to leave the experts out (frozen, or trained densely by "
-            "non_target_optimizer)"
+            "Call patch_model(model, experts=False) (before attach_logra, with TRL) to leave the experts out "
+            "(frozen, or trained densely by non_target_optimizer)"
         )
 
     if not all(hasattr(module, a) for a in ("num_experts", "has_gate", "is_transposed", "_apply_gate")):
@@ -66,8 +66,11 @@ def expert_weight_names(name: str, module: nn.Module) -> tuple[str, str]:
     if not all(isinstance(w, nn.Parameter) and w.dim() == 3 for w in weights):
         raise refuse(f"it lacks 3-D parameters {names[0]!r} and {names[1]!r}")
     first, second = weights
-    if not (first.is_floating_point() and second.is_floating_point()):
-        raise refuse(f"quantized experts ({first.dtype}) are not supported")
+    unsupported = [
+        w.dtype for w in weights if w.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+    ]
+    if unsupported:
+        raise refuse(f"quantized experts ({unsupported[0]}) are not supported")
     width = first.shape[1] // 2 if module.has_gate else first.shape[1]
     if first.shape[0] != module.num_experts or second.shape != (module.num_experts, first.shape[2], width):
         raise refuse(f"shapes {list(first.shape)} and {list(second.shape)} do not line up")

@@ -586,7 +586,12 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         device: one tensor and one ``x Aᵀ`` per forward between them)."""
         shared: dict[tuple, SharedProjection] = {}
         for index, target in enumerate(self._targets):
-            key = (self.projection_seed(index), target.shape[1], target.weight.device)
+            key = (
+                self.projection_seed(index),
+                target.shape[1],
+                self.options.rank_for(target.experts),
+                target.weight.device,
+            )
             if key not in shared:
                 shared[key] = SharedProjection(self.projection_for(index))
             target.state.set_projection(shared[key])

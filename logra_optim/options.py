@@ -198,8 +198,10 @@ def check_targets(targets: Sequence[Target], step: StepOptions, kl: KLOptions) -
         rank = step.rank_for(target.experts)
         if rank > min(d, k):
             option = "expert_rank" if target.experts > 1 and step.expert_rank is not None else "rank"
+            hint = " per expert; set expert_rank for the experts" if target.experts > 1 and option == "rank" else ""
             raise ValueError(
-                f"{option}={rank} is larger than target {target.name!r} allows ({d}×{k}: it must be ≤ {min(d, k)})"
+                f"{option}={rank} is larger than target {target.name!r} allows ({d}×{k}{hint}: it must be "
+                f"≤ {min(d, k)})"
             )
         if target.state.owner is not None and target.state.owner() is not None:
             raise RuntimeError(

@@ -577,10 +577,15 @@ def test_expert_rank_state_matches_the_real_optimizer():
 
 def test_plan_answers_the_moe_question(tmp_path):
     """Qwen3-30B-A3B on 8 sharded 80 GB GPUs: the table prints for all three methods with the
-    experts' own rank, and dense AdamW fits there too (it does not at 4)."""
+    experts' own rank, and dense AdamW fits there too (it does not at 4). MoE configs with parts the
+    model does not count (shared experts) are refused."""
     result = run_cli("plan", "qwen3-30b-a3b", "--gpus", "8", "--rank", "256", "--expert-rank", "32")
     assert result.returncode == 0, result.stderr
     assert "30.53 B parameters" in result.stdout and "experts rank 32" in result.stdout
+    fits = next(line for line in result.stdout.splitlines() if "fits 80 GiB" in line)
+    assert [cell.strip() for cell in fits.split("│")[2:5]] == ["yes", "yes", "yes"]
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size"):
+        Shape.from_config({**MOE_CONFIG, "shared_expert_intermediate_size": 64})
     result = run_cli("plan", "qwen3-30b-a3b", "--gpus", "4", "--rank", "256", "--expert-rank", "32")
     fits = next(line for line in result.stdout.splitlines() if "fits 80 GiB" in line)
     assert [cell.strip() for cell in fits.split("│")[2:5]] == ["no", "yes", "yes"]

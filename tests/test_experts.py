@@ -171,6 +171,13 @@ def test_patched_experts_compute_what_the_models_implementation_computes(impleme
     torch.testing.assert_close(got.logits, expected.logits, rtol=1e-5, atol=1e-5)
     got.loss.backward()
     assert optimizer.sketch_buffers()[0].abs().sum() > 0
+    # Evaluation: the model's own implementation runs, and nothing is sketched.
+    sketches = [buffer.clone() for buffer in optimizer.sketch_buffers()]
+    model.eval(), reference.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batch).logits, reference(**batch).logits, rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(sketches, optimizer.sketch_buffers()))
+    model.train()
     # A non-target's gradient downstream of the experts agrees: the input gradients through them do.
     embedding_grad = reference.model.embed_tokens.weight.grad
     model.model.embed_tokens.weight.requires_grad_(True)
@@ -371,6 +378,38 @@ def test_unsupported_experts_layouts_are_refused_by_name():
     )  # fmt: skip
     with pytest.raises(ValueError, match=r"GptOssExperts.*transposed"):
         patch_model(GptOssForCausalLM(config))
+
+
+def test_sync_refuses_expert_targets_by_name():
+    """The vLLM mapping of expert factors is not written: the sync refuses an optimizer with expert
+    targets before contacting any engine, naming one."""
+    from logra_optim.integrations.vllm import VLLMSync
+    from logra_optim.sync import UpdateRecorder
+
+    optimizer = LoGRAOptimizer(patch_model(tiny_qwen3_moe()), rank=4)
+    with pytest.raises(ValueError, match=r"mixture-of-experts weights yet \('model.layers.0.mlp.experts.gate_up_proj'"):
+        UpdateRecorder(optimizer)
+    with pytest.raises(ValueError, match=r"VLLMSync: compressed sync of mixture-of-experts weights .*vllm_sync='full'"):
+        VLLMSync(optimizer, "http://127.0.0.1:9")
+
+
+def test_a_rank_holding_no_expert_merges_nothing():
+    """FSDP2 with fewer experts than ranks leaves some ranks an empty ``[0, d, k]`` shard: its matrix
+    view is ``0 × k`` and the merge and norm are no-ops, not errors."""
+    from logra_optim.distributed import ROWS, LocalWeight, WeightLayout
+
+    weight = LocalWeight(torch.zeros(0, 3, 4), WeightLayout(ROWS, (6, 4), 6, 6, 1))
+    assert weight.local().shape == (0, 4)
+    weight.merge_(torch.ones(6, 2), torch.ones(2, 4))
+    assert float(weight.sq_norm()) == 0.0
+
+
+def test_quantized_experts_are_refused():
+    model = tiny_qwen3_moe()
+    experts = model.model.layers[0].mlp.experts
+    experts.down_proj = nn.Parameter(experts.down_proj.detach().to(torch.float8_e4m3fn), requires_grad=False)
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts.*quantized experts \(torch.float8_e4m3fn\)"):
+        patch_model(model)
 
 
 def test_unpatch_restores_the_experts_module():

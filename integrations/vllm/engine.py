@@ -264,7 +264,12 @@ class EngineUpdater:
                 continue
             copy = self._copy_of(name)
             if copy.element_size() < 4 and tensor.element_size() > copy.element_size():
-                exact = tensor.detach()[placement.factor_rows, placement.projection_cols]
+                # A shadow holds the whole matrix; rows loaded in place are this rank's block of it.
+                exact = (
+                    tensor.detach()
+                    if state["mode"] == "reload"
+                    else tensor.detach()[placement.factor_rows, placement.projection_cols]
+                )
                 state["compensation"][name] = rounding_remainder(exact, copy)
 
     def _check_tensors(self, weights: list[tuple[str, torch.Tensor]]) -> None:

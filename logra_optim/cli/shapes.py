@@ -163,6 +163,18 @@ class Shape:
             hidden = config["hidden_size"]
             heads = config["num_attention_heads"]
             experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
+            unmodelled = [
+                key
+                for key in ("shared_expert_intermediate_size", "n_shared_experts", "first_k_dense_replace")
+                if config.get(key)
+            ]
+            unmodelled += ["mlp_only_layers"] if config.get("mlp_only_layers") else []
+            unmodelled += ["decoder_sparse_step"] if (config.get("decoder_sparse_step") or 1) > 1 else []
+            if experts and unmodelled:
+                raise ValueError(
+                    f"config has {', '.join(unmodelled)}: shared experts and dense layers between MoE layers are not "
+                    "modelled yet (every layer is taken as one block of routed experts, as in Qwen3-MoE)"
+                )
             return cls(
                 hidden=hidden,
                 intermediate=config["intermediate_size"],
