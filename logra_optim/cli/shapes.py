@@ -82,22 +82,9 @@ PRESETS: dict[str, dict] = {
         num_hidden_layers=48,
         tie_word_embeddings=False,
     ),
-    "moe-core": dict(
-        model_type="qwen3_moe",
-        hidden_size=2048,
-        intermediate_size=6144,
-        moe_intermediate_size=768,
-        num_experts=32,
-        num_experts_per_tok=8,
-        norm_topk_prob=True,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        head_dim=128,
-        vocab_size=32000,
-        num_hidden_layers=2,
-        tie_word_embeddings=False,
-    ),
 }
+PRESETS["moe-core"] = {**PRESETS["qwen3-30b-a3b"], "num_experts": 32, "vocab_size": 32000, "num_hidden_layers": 2}
+
 # How many decoder layers ``logra bench`` keeps of each preset by default: the full 24–28 of the
 # Qwen2.5 models do not fit dense AdamW into a 24 GiB, 2-core machine. ``logra plan`` keeps them all.
 DEFAULT_LAYERS = {
