@@ -279,15 +279,6 @@ def _use_compressed_vllm_sync(trainer: Trainer, callback: LoGRACallback, options
                     stacklevel=2,
                 )
             return full_sync()
-        if any(target.experts > 1 for target in optimizer.targets):
-            if not holder.get("warned_experts"):
-                holder["warned_experts"] = True
-                warnings.warn(
-                    "attach_logra: compressed vLLM sync of mixture-of-experts weights is not supported yet; keeping "
-                    "TRL's full sync",
-                    stacklevel=2,
-                )
-            return full_sync()
         sync = holder.get("sync")
         if sync is None or sync.optimizer is not optimizer:  # first sync, or a rebuilt optimizer
             if sync is not None:

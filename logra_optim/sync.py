@@ -7,19 +7,21 @@ very factor it sends (``LoGRAOptimizer(wire_dtype=torch.bfloat16)`` rounds ``F``
 both sides apply the same update; the remaining difference is the arithmetic of the two merges and
 the engine's storage dtype, which :func:`weight_checksum` lets a caller measure.
 
-Format, version 2 (``PAYLOAD_VERSION``). :meth:`SyncPayload.encode` writes a plain dict with
+Format, version 3 (``PAYLOAD_VERSION``). :meth:`SyncPayload.encode` writes a plain dict with
 ``torch.save``; only tensors, numbers and strings, so ``torch.load(weights_only=True)`` reads it::
 
     {
-      "format": "logra-sync", "version": 2,
-      "rank": r, "projection": "rademacher" | "gaussian",
+      "format": "logra-sync", "version": 3,
+      "rank": r, "expert_rank": r_e,     # factor columns of linear / of stacked experts weights
+      "projection": "rademacher" | "gaussian",
       "updates": [                       # consecutive update indices, oldest first
         {"index": u,                     # the optimizer's update counter after this update (1-based)
          "targets": [
            {"name": "model.layers.0.self_attn.q_proj.weight",  # the HF parameter name
             "seed": s,                   # projection seed of this target for this update (63-bit)
             "in_features": k,
-            "factor": F,                 # d×r, the wire dtype (bf16 by default), contiguous
+            "factor": F,                 # d×r (E·d × r_e for E stacked experts, by expert), the wire
+                                         # dtype (bf16 by default), contiguous
             "rounding": "exact" | "stochastic" | "nearest"},  # how the trainer's copy absorbed it
 
            ...]},
@@ -33,7 +35,12 @@ Format, version 2 (``PAYLOAD_VERSION``). :meth:`SyncPayload.encode` writes a pla
 holding 16-bit weights can follow it (:func:`merge_like_trainer_`): ``"exact"`` (fp32 master
 weights: the engine keeps a compensation buffer so that nothing is rounded away), ``"stochastic"``
 (bf16 weights rounded stochastically with the seed :func:`rounding_seed`: the engine draws the
-same noise) or ``"nearest"``. Version 1 payloads had no ``rounding`` and are refused.
+same noise) or ``"nearest"``. Older versions are refused (1 had no ``rounding``, 2 no
+``expert_rank``).
+
+A stacked mixture-of-experts weight (``[E, d, k]``, e.g. ``…experts.gate_up_proj``) is one target:
+the ``E·d × k`` matrix of its row-major layout, as the optimizer treats it, so ``F`` stacks the
+experts' factors by rows and all of them share the target's ``A``.
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ from .projection import PROJECTIONS, make_projection
 from .updates import merge_low_rank_, merge_low_rank_compensated_
 
 PAYLOAD_FORMAT = "logra-sync"
-PAYLOAD_VERSION = 2
+PAYLOAD_VERSION = 3
 ROUNDINGS = ("exact", "stochastic", "nearest")
 _MAX_SEED = 2**63
 
@@ -72,6 +79,10 @@ class TargetUpdate:
     def out_features(self) -> int:
         return self.factor.shape[0]
 
+    @property
+    def rank(self) -> int:
+        return self.factor.shape[1]
+
 
 @dataclass(frozen=True)
 class Update:
@@ -88,8 +99,11 @@ class SyncPayload:
     rank: int
     projection: str
     updates: tuple[Update, ...]
+    expert_rank: int | None = None  # the rank of stacked experts weights (default: ``rank``)
 
     def __post_init__(self) -> None:
+        if self.expert_rank is None:
+            object.__setattr__(self, "expert_rank", self.rank)
         _validate(self)
 
     @property
@@ -110,6 +124,7 @@ class SyncPayload:
             "format": PAYLOAD_FORMAT,
             "version": PAYLOAD_VERSION,
             "rank": self.rank,
+            "expert_rank": self.expert_rank,
             "projection": self.projection,
             "updates": [
                 {
@@ -151,7 +166,7 @@ class SyncPayload:
                 )
                 for u in data["updates"]
             )
-            return cls(int(data["rank"]), str(data["projection"]), updates)
+            return cls(int(data["rank"]), str(data["projection"]), updates, int(data["expert_rank"]))
         except (KeyError, TypeError) as error:
             raise PayloadError(f"malformed sync payload: missing or mistyped field ({error})") from error
 
@@ -186,8 +201,10 @@ def factor_bytes(updates) -> int:
 
 def _validate(payload: SyncPayload) -> None:
     """Everything that can be checked without the engine's weights."""
-    if not isinstance(payload.rank, int) or payload.rank <= 0:
-        raise PayloadError(f"sync payload rank must be a positive integer, got {payload.rank!r}")
+    for field in ("rank", "expert_rank"):
+        value = getattr(payload, field)
+        if not isinstance(value, int) or value <= 0:
+            raise PayloadError(f"sync payload {field} must be a positive integer, got {value!r}")
     if payload.projection not in PROJECTIONS:
         raise PayloadError(f"sync payload projection must be one of {PROJECTIONS}, got {payload.projection!r}")
     if not payload.updates:
@@ -204,10 +221,11 @@ def _validate(payload: SyncPayload) -> None:
             where = f"update {update.index}, target {target.name!r}"
             if not isinstance(factor, torch.Tensor) or not factor.is_floating_point() or factor.dim() != 2:
                 raise PayloadError(f"{where}: factor must be a 2-D floating tensor")
-            if factor.shape[1] != payload.rank or factor.shape[0] == 0:
-                raise PayloadError(f"{where}: factor has shape {tuple(factor.shape)}, expected (d, {payload.rank})")
-            if target.in_features < payload.rank:
-                raise PayloadError(f"{where}: in_features {target.in_features} is below the rank {payload.rank}")
+            if factor.shape[1] not in (payload.rank, payload.expert_rank) or factor.shape[0] == 0:
+                ranks = sorted({payload.rank, payload.expert_rank})
+                raise PayloadError(f"{where}: factor has shape {tuple(factor.shape)}, expected (d, r), r in {ranks}")
+            if target.in_features < factor.shape[1]:
+                raise PayloadError(f"{where}: in_features {target.in_features} is below the rank {factor.shape[1]}")
             if not 0 <= target.seed < _MAX_SEED:
                 raise PayloadError(f"{where}: seed {target.seed} is outside [0, 2**63)")
             if not bool(torch.isfinite(factor).all()):
@@ -218,7 +236,7 @@ def _validate(payload: SyncPayload) -> None:
 
 def projection_of(payload: SyncPayload, target: TargetUpdate, device=None) -> torch.Tensor:
     """``A`` (r×k, fp32) of one target update: the matrix the trainer merged with."""
-    return make_projection(target.seed, payload.rank, target.in_features, payload.projection, device=device)
+    return make_projection(target.seed, target.rank, target.in_features, payload.projection, device=device)
 
 
 def projections_of(payload: SyncPayload, device=None) -> Callable[[TargetUpdate], torch.Tensor]:
@@ -229,7 +247,7 @@ def projections_of(payload: SyncPayload, device=None) -> Callable[[TargetUpdate]
     latest: list = [None, None]  # (seed, width), A
 
     def projection(target: TargetUpdate) -> torch.Tensor:
-        key = (target.seed, target.in_features)
+        key = (target.seed, target.rank, target.in_features)
         if latest[0] != key:
             latest[:] = [key, projection_of(payload, target, device)]
         return latest[1]
@@ -343,13 +361,7 @@ class UpdateRecorder:
     """
 
     def __init__(self, optimizer, rename=None):
-        experts = [target.name for target in optimizer.targets if target.experts > 1]
-        if experts:
-            raise ValueError(
-                f"sync payloads do not carry mixture-of-experts weights yet ({experts[0]!r}, …): a rollout engine "
-                "stores them fused (vLLM's FusedMoE) and the mapping is not written; sync full weights instead"
-            )
-        self.rank = optimizer.rank
+        self.rank, self.expert_rank = optimizer.rank, optimizer.expert_rank
         self.projection = optimizer.projection
         self.rename = rename or (lambda name: name)
         self.pending: list[Update] = []
@@ -370,7 +382,7 @@ class UpdateRecorder:
         """The pending updates as one payload (``None`` if there are none); clears them."""
         if not self.pending:
             return None
-        payload = SyncPayload(self.rank, self.projection, tuple(self.pending))
+        payload = SyncPayload(self.rank, self.projection, tuple(self.pending), self.expert_rank)
         self.pending = []
         return payload
 

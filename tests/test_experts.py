@@ -380,19 +380,6 @@ def test_unsupported_experts_layouts_are_refused_by_name():
         patch_model(GptOssForCausalLM(config))
 
 
-def test_sync_refuses_expert_targets_by_name():
-    """The vLLM mapping of expert factors is not written: the sync refuses an optimizer with expert
-    targets before contacting any engine, naming one."""
-    from logra_optim.integrations.vllm import VLLMSync
-    from logra_optim.sync import UpdateRecorder
-
-    optimizer = LoGRAOptimizer(patch_model(tiny_qwen3_moe()), rank=4)
-    with pytest.raises(ValueError, match=r"mixture-of-experts weights yet \('model.layers.0.mlp.experts.gate_up_proj'"):
-        UpdateRecorder(optimizer)
-    with pytest.raises(ValueError, match=r"VLLMSync: compressed sync of mixture-of-experts weights .*vllm_sync='full'"):
-        VLLMSync(optimizer, "http://127.0.0.1:9")
-
-
 def test_a_rank_holding_no_expert_merges_nothing():
     """FSDP2 with fewer experts than ranks leaves some ranks an empty ``[0, d, k]`` shard: its matrix
     view is ``0 × k`` and the merge and norm are no-ops, not errors."""

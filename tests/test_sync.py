@@ -110,6 +110,21 @@ def test_projections_of_draw_a_shared_seed_once():
     assert again is not drawn and torch.equal(again, drawn)
 
 
+def test_expert_factors_carry_their_own_rank():
+    """Stacked experts may have a rank of their own (``expert_rank``): factors of either rank are
+    valid, each target's ``A`` is drawn at its factor's rank, and the payload round-trips it."""
+    payload = _payload(rank=3)
+    experts = TargetUpdate("layer0.mlp.experts.down_proj", 77, 6, torch.randn(4 * 5, 2))
+    mixed = SyncPayload(3, "rademacher", (Update(1, payload.updates[0].targets + (experts,)),), expert_rank=2)
+    decoded = SyncPayload.decode(mixed.encode())
+    assert (decoded.rank, decoded.expert_rank) == (3, 2)
+    assert projection_of(decoded, decoded.updates[0].targets[-1]).shape == (2, 6)
+    assert projection_of(decoded, decoded.updates[0].targets[0]).shape == (3, 7)
+    assert SyncPayload(3, "rademacher", payload.updates).expert_rank == 3  # default: the rank
+    with pytest.raises(PayloadError, match=r"expected \(d, r\), r in \[2, 3\]"):
+        SyncPayload(3, "rademacher", (Update(1, (dataclasses.replace(experts, factor=torch.ones(20, 4)),)),), 2)
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -119,7 +134,10 @@ def test_projections_of_draw_a_shared_seed_once():
         (lambda d: d.update(format="something-else"), "not a LoGRA sync payload"),
         (lambda d: d["updates"][1].update(index=d["updates"][0]["index"] + 2), "skips from update 1 to 3"),
         (lambda d: d["updates"][0]["targets"][0].update(factor=torch.full((5, 3), float("nan"))), "not finite"),
-        (lambda d: d["updates"][0]["targets"][0].update(factor=torch.ones(5, 2)), r"expected \(d, 3\)"),
+        (lambda d: d["updates"][0]["targets"][0].update(factor=torch.ones(5, 2)), r"expected \(d, r\), r in \[3\]"),
+        (lambda d: d.update(version=2), "version 2 is not supported"),  # before expert ranks
+        (lambda d: d.update(expert_rank=0), "expert_rank must be a positive integer"),
+        (lambda d: d.pop("expert_rank"), "missing or mistyped"),
         (lambda d: d["updates"][0]["targets"][1].update(name="layer0.weight"), "names a target twice"),
         (lambda d: d["updates"][0]["targets"][0].update(seed=-1), "seed"),
         (lambda d: d.update(projection="sparse"), "projection must be one of"),

@@ -33,6 +33,7 @@ from logra_optim.updates import rounding_remainder
 from logra_optim.sync import (
     PayloadError,
     SyncPayload,
+    TargetUpdate,
     checksum_probe,
     merge_like_trainer_,
     projections_of,
@@ -41,7 +42,15 @@ from logra_optim.sync import (
 )
 
 from . import wire
-from .placement import Placement, checkpoint_fused_placement, column_parallel_placements, row_parallel_placement
+from .placement import (
+    ExpertsPlacement,
+    Placement,
+    checkpoint_fused_placement,
+    column_parallel_placements,
+    down_placement,
+    gate_up_placement,
+    row_parallel_placement,
+)
 
 __all__ = [
     "DRIFT_MARKER",
@@ -52,6 +61,7 @@ __all__ = [
     "EngineUpdater",
     "LoGRAWorkerExtension",
     "engine_placements",
+    "merge_into_experts_",
 ]
 
 # What vLLM imports in its workers: must name the class below (a test resolves it).
@@ -73,11 +83,13 @@ def compare_checksums(pairs, served_dtype: torch.dtype, drift_bound: float) -> d
     target ``((engine copy, trainer copy), (engine served, trainer served))`` ``W p`` vectors. Returns
     the largest relative differences ``drift`` and ``served_drift`` and ``served_bound``: the served
     weights resolve only down to their dtype's rounding, so their bound is
-    ``max(drift_bound, 4·eps(served dtype))``."""
+    ``max(drift_bound, 4·eps(served dtype))``. ``served`` is ``None`` for weights the engine cannot
+    read a served product of (stacked experts): their copy is compared alone."""
     worst = {"drift": 0.0, "served_drift": 0.0}
     for copies, served in pairs:
         worst["drift"] = max(worst["drift"], relative_drift(*copies))
-        worst["served_drift"] = max(worst["served_drift"], relative_drift(*served))
+        if served is not None:
+            worst["served_drift"] = max(worst["served_drift"], relative_drift(*served))
     return {**worst, "served_bound": max(drift_bound, 4 * torch.finfo(served_dtype).eps)}
 
 
@@ -87,8 +99,10 @@ def drift_exceeded(measured: dict[str, float], drift_bound: float) -> bool:
     return measured["drift"] > drift_bound or measured["served_drift"] > measured["served_bound"]
 
 
-def engine_placements(model: nn.Module) -> dict[str, Placement]:
-    """Every linear weight of a vLLM model by its HF checkpoint name (``…q_proj.weight``)."""
+def engine_placements(model: nn.Module) -> dict[str, Placement | ExpertsPlacement]:
+    """Every linear weight of a vLLM model by its HF checkpoint name (``…q_proj.weight``), and every
+    stacked experts weight of its fused mixture-of-experts layers (``…experts.gate_up_proj``)."""
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
     from vllm.model_executor.layers.linear import (
         LinearBase,
         MergedColumnParallelLinear,
@@ -97,8 +111,10 @@ def engine_placements(model: nn.Module) -> dict[str, Placement]:
     )
 
     packed = getattr(model, "packed_modules_mapping", {}) or {}
-    placements: dict[str, Placement] = {}
+    placements: dict[str, Placement | ExpertsPlacement] = {}
     for name, layer in model.named_modules():
+        if isinstance(layer, RoutedExperts):
+            placements.update(_experts_placements(name, layer))
         if not isinstance(layer, LinearBase):
             continue
         prefix, _, short = name.rpartition(".")
@@ -134,6 +150,117 @@ def engine_placements(model: nn.Module) -> dict[str, Placement]:
             continue
         placements.update(column_parallel_placements(name, members, full, local, shards, layer.input_size))
     return placements
+
+
+def _experts_placements(name: str, layer) -> dict[str, ExpertsPlacement]:
+    """The stacked HF weights of one of vLLM's fused experts layers (``RoutedExperts``), under the
+    names transformers gives them (``<experts module>.gate_up_proj`` ``[E, 2I, H]``,
+    ``.down_proj`` ``[E, H, I]``), which vLLM's loader also accepts. Layouts this mapping does not
+    cover (non-gated experts, other checkpoint names, redundant experts, padded tensor-parallel
+    shards) get no placement, so a payload naming them is refused by name."""
+    config = layer.moe_config
+    names = (layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name)
+    if (
+        not config.is_act_and_mul
+        or names != ("gate_proj", "up_proj", "down_proj")
+        or config.num_experts != config.num_logical_experts
+        or config.tp_shard_with_padding
+    ):
+        return {}
+    experts, intermediate = config.num_logical_experts, config.intermediate_size
+    hidden = config.hidden_dim_unpadded or config.hidden_dim
+    local = {e: layer.expert_map_manager.map_global_to_local(e) for e in range(experts)}
+    local = {e: int(index) for e, index in local.items() if int(index) >= 0}
+    tp_rank, tp_size = config.moe_parallel_config.tp_rank, config.moe_parallel_config.tp_size
+    prefix = layer.layer_name
+    return {
+        f"{prefix}.gate_up_proj": gate_up_placement(
+            name, local, experts, intermediate, hidden, layer.w13_weight.shape[1] // 2, tp_rank, tp_size
+        ),
+        f"{prefix}.down_proj": down_placement(name, local, experts, intermediate, hidden, tp_rank, tp_size),
+    }
+
+
+def _holds_plain_weights(layer: nn.Module, placement: Placement | ExpertsPlacement) -> bool:
+    """Whether the engine computes with ``layer``'s weights as loaded (unpacked, unquantized, in
+    vLLM's layout), so that they can be updated in place. Fused experts: only the Triton backend's
+    (others reorder or prepack them)."""
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    method = getattr(layer, "quant_method", None)
+    if isinstance(placement, ExpertsPlacement):
+        weight = getattr(layer, placement.parameter)
+        return (
+            isinstance(method, UnquantizedFusedMoEMethod)
+            and getattr(method, "unquantized_backend", None) == UnquantizedMoeBackend.TRITON
+            and weight.dim() == 3
+        )
+    return layer.weight.dim() == 2 and layer.weight.numel() > 0 and isinstance(method, UnquantizedLinearMethod)
+
+
+@contextmanager
+def _experts_repacked(layers: list[nn.Module]):
+    """Works around vLLM 0.32's CPU experts after an in-place reload: the fused-MoE method sets up
+    its kernel's weight format (the CPU backend's prepacking) only at the first load, so reloaded
+    experts would be left unpacked and computed with as if packed. Counts the calls of each
+    reloaded experts layer's kernel's own ``process_weights_after_loading`` during the reload and,
+    once the reload has succeeded, makes the one that was skipped; a vLLM that makes it itself is
+    left alone."""
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExpertsModular
+
+    base = FusedMoEExpertsModular.process_weights_after_loading
+    watched = []
+    for layer in layers:
+        kernel = getattr(getattr(layer.quant_method, "moe_kernel", None), "fused_experts", None)
+        own = type(kernel).process_weights_after_loading if kernel is not None else base
+        if own is base:
+            continue
+        calls = [0]
+
+        def counted(target, _own=own, _kernel=kernel, _calls=calls):
+            _calls[0] += 1
+            return _own(_kernel, target)
+
+        kernel.process_weights_after_loading = counted  # an instance attribute, removed below
+        watched.append((layer, kernel, calls))
+
+    def restore():
+        for _, kernel, _ in watched:
+            kernel.__dict__.pop("process_weights_after_loading", None)
+
+    try:
+        yield
+        restore()
+        for layer, kernel, calls in watched:
+            if calls[0] == 0:
+                kernel.process_weights_after_loading(layer)
+    finally:
+        restore()
+
+
+def merge_into_experts_(
+    param: torch.Tensor,
+    placement: ExpertsPlacement,
+    target: TargetUpdate,
+    projection: torch.Tensor,
+    update_index: int,
+    compensation: torch.Tensor | None = None,
+) -> None:
+    """One target update applied in place to a rank's stacked experts parameter (``w13_weight`` /
+    ``w2_weight``, ``E_local × rows × cols``), block by block as ``placement`` says: the rank's
+    share of ``W ← W − F A`` for the trainer's ``E·d × k`` matrix, padding left untouched."""
+    for block in placement.blocks:
+        where = (block.expert, block.param_rows, block.param_cols)
+        merge_like_trainer_(
+            param[where],
+            target,
+            projection[:, block.projection_cols],
+            update_index,
+            None if compensation is None else compensation[where],
+            block.factor_rows,
+        )
 
 
 def _named_tensors(weights) -> list[tuple[str, torch.Tensor]]:
@@ -178,18 +305,11 @@ class EngineUpdater:
         """Built on first use, once the worker has loaded its model."""
         state = self._state
         if state is None:
-            from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-
             model = self.model()
             placements = engine_placements(model)
             layers = self._layers()
-            # In place only where every linear holds its plain (unpacked, unquantized) weight shard.
-            inplace = all(
-                layers[p.module].weight.dim() == 2
-                and layers[p.module].weight.numel() > 0
-                and isinstance(getattr(layers[p.module], "quant_method", None), UnquantizedLinearMethod)
-                for p in placements.values()
-            )
+            # In place only where every layer computes with its plain (unpacked, unquantized) weights.
+            inplace = all(_holds_plain_weights(layers[p.module], p) for p in placements.values())
             state = {
                 "index": None,
                 "mode": "inplace" if inplace else "reload",
@@ -209,6 +329,8 @@ class EngineUpdater:
     def _linear_module_of(self, name: str) -> str | None:
         """The engine linear module a checkpoint tensor loads into (fused groups: the fused one)."""
         state = self._engine_state()
+        if name in state["placements"]:
+            return state["placements"][name].module
         module_path, _, _ = name.rpartition(".")
         prefix, _, short = module_path.rpartition(".")
         short = next((fused for fused, members in state["packed"].items() if short in members), short)
@@ -222,8 +344,13 @@ class EngineUpdater:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
+        placements, layers = self._engine_state()["placements"], self._layers()
+        experts = {placements[name].module for name, _ in weights if isinstance(placements.get(name), ExpertsPlacement)}
         with _quiet_reload_logs(), set_current_vllm_config(self.vllm_config):
-            reload_weights(self.vllm_config, self.model(), iter(weights), weights_path=None, is_checkpoint_format=True)
+            with _experts_repacked([layers[module] for module in sorted(experts)]):
+                reload_weights(
+                    self.vllm_config, self.model(), iter(weights), weights_path=None, is_checkpoint_format=True
+                )
 
     def _reload_with_groups(self, new: dict[str, torch.Tensor]) -> None:
         """Reload ``new`` and, for every linear layer it touches, the layer's other tensors from the
@@ -264,13 +391,20 @@ class EngineUpdater:
                 continue
             copy = self._copy_of(name)
             if copy.element_size() < 4 and tensor.element_size() > copy.element_size():
-                # A shadow holds the whole matrix; rows loaded in place are this rank's block of it.
-                exact = (
-                    tensor.detach()
-                    if state["mode"] == "reload"
-                    else tensor.detach()[placement.factor_rows, placement.projection_cols]
-                )
-                state["compensation"][name] = rounding_remainder(exact, copy)
+                # A shadow holds the whole matrix; what is loaded in place is this rank's share of it.
+                exact = tensor.detach().reshape(placement.out_features, placement.in_features)
+                if state["mode"] == "reload":
+                    state["compensation"][name] = rounding_remainder(exact, copy)
+                elif isinstance(placement, ExpertsPlacement):
+                    compensation = torch.zeros_like(copy)
+                    for block in placement.blocks:
+                        held = copy[block.expert, block.param_rows, block.param_cols]
+                        part = exact[block.factor_rows, block.projection_cols].to(held.device)
+                        compensation[block.expert, block.param_rows, block.param_cols] = rounding_remainder(part, held)
+                    state["compensation"][name] = compensation
+                else:
+                    exact = exact[placement.factor_rows, placement.projection_cols]
+                    state["compensation"][name] = rounding_remainder(exact, copy)
 
     def _check_tensors(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """What can be checked before vLLM's loader runs: floating tensors, and the shape of every
@@ -280,10 +414,15 @@ class EngineUpdater:
             if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
                 raise PayloadError(f"LoGRA sync: {name!r} is not a floating-point tensor")
             placement = placements.get(name)
-            if placement is not None and tuple(tensor.shape) != (placement.out_features, placement.in_features):
+            if placement is None:
+                continue
+            expected = (placement.out_features, placement.in_features)
+            if isinstance(placement, ExpertsPlacement):
+                expected = (placement.experts, placement.out_features // placement.experts, placement.in_features)
+            if tuple(tensor.shape) != expected:
                 raise PayloadError(
                     f"LoGRA sync: {name!r} is {tuple(tensor.shape)}, the engine's is "
-                    f"({placement.out_features}, {placement.in_features}); the trainer's model does not map onto it"
+                    f"{expected}; the trainer's model does not map onto it"
                 )
 
     def full_sync(self, weights, update_index: int | str, shadow_dtype: str = "float32") -> dict:
@@ -344,6 +483,12 @@ class EngineUpdater:
                         f"LoGRA sync: update {update.index} names {target.name!r}, which the checkpoint stores fused "
                         "and the engine splits in its own way; it can only be loaded whole (VLLMSync sends it so)"
                     )
+                rank = payload.expert_rank if isinstance(placement, ExpertsPlacement) else payload.rank
+                if target.rank != rank:
+                    raise PayloadError(
+                        f"LoGRA sync: update {update.index}, {target.name!r}: factor of rank {target.rank}, but the "
+                        f"payload's rank for {'expert' if rank == payload.expert_rank else 'linear'} weights is {rank}"
+                    )
                 if (target.out_features, target.in_features) != (placement.out_features, placement.in_features):
                     raise PayloadError(
                         f"LoGRA sync: update {update.index}, {target.name!r}: the payload is for a "
@@ -384,7 +529,7 @@ class EngineUpdater:
             raise PayloadError("LoGRA sync: the engine has no synced weights yet; run a full sync first")
         for name, (indices, values) in patches.items():
             placement = state["placements"].get(name)
-            if placement is None or placement.whole_only:
+            if placement is None or placement.whole_only or isinstance(placement, ExpertsPlacement):
                 raise PayloadError(f"LoGRA sync: {name!r} is not a linear weight this engine can patch")
             if placement.projection_cols != slice(0, placement.in_features) or (
                 placement.factor_rows != slice(0, placement.out_features)
@@ -413,9 +558,11 @@ class EngineUpdater:
     def _copy_of(self, name: str) -> torch.Tensor:
         """The engine's own copy of a target's rows: its shadow (reload mode) or its loaded rows."""
         state = self._engine_state()
-        if state["mode"] == "reload":
-            return state["shadows"][name]
         placement = state["placements"][name]
+        if state["mode"] == "reload":  # experts: the E·d × k matrix of the stacked shadow
+            return state["shadows"][name].view(placement.out_features, placement.in_features)
+        if isinstance(placement, ExpertsPlacement):  # the whole local parameter; blocks index into it
+            return getattr(self._layers()[placement.module], placement.parameter).data
         return self._layers()[placement.module].weight.data[placement.param_rows]
 
     def _prepare_compensation(self, payload: SyncPayload) -> None:
@@ -440,8 +587,9 @@ class EngineUpdater:
                     staged[target.name] = state["shadows"][target.name].clone()
                     if target.name in state["compensation"]:
                         staged_compensation[target.name] = state["compensation"][target.name].clone()
+                placement = state["placements"][target.name]
                 merge_like_trainer_(
-                    staged[target.name],
+                    staged[target.name].view(placement.out_features, placement.in_features),  # experts: E·d × k
                     target,
                     projection(target),
                     update.index,
@@ -459,8 +607,12 @@ class EngineUpdater:
                 rows = self._copy_of(target.name)
                 if rows.device not in projections:
                     projections[rows.device] = projections_of(payload, rows.device)
-                projection = projections[rows.device](target)[:, placement.projection_cols]
+                projection = projections[rows.device](target)
                 compensation = state["compensation"].get(target.name)
+                if isinstance(placement, ExpertsPlacement):
+                    merge_into_experts_(rows, placement, target, projection, update.index, compensation)
+                    continue
+                projection = projection[:, placement.projection_cols]
                 merge_like_trainer_(rows, target, projection, update.index, compensation, placement.factor_rows)
 
     def check_targets(self, names: list[str]) -> None:
@@ -502,7 +654,8 @@ class EngineUpdater:
             if copy_dtype not in sums or served_dtype not in sums:
                 raise PayloadError(f"LoGRA sync: verify sent no checksums in {copy_dtype}/{served_dtype} for {name!r}")
             rows = slice(start, start + copy.numel())
-            pairs.append(((copy, sums[copy_dtype][rows]), (served, sums[served_dtype][rows])))
+            served = None if served is None else (served, sums[served_dtype][rows])
+            pairs.append(((copy, sums[copy_dtype][rows]), served))
         measured = compare_checksums(pairs, wire.dtype(served_dtype), drift_bound)
         if drift_exceeded(measured, drift_bound):
             raise DriftError(f"{DRIFT_MARKER}{json.dumps(measured)}")
@@ -520,7 +673,12 @@ class EngineUpdater:
         ``copy``: float64 ``W p`` of the engine's own copy (the shadow in reload mode, the loaded
         rows in place), exact. ``served``: ``W p`` through the layer's forward kernel (its prepacked
         or quantized weights: what generation uses), in the engine's dtype, so it also catches a
-        load that went wrong. ``partial``: a row-parallel rank's share, summed over the ranks."""
+        load that went wrong. ``partial``: a row-parallel rank's share, summed over the ranks.
+
+        Stacked experts: ``W p`` of the ``E·d × k`` matrix; ``served`` is ``None`` (a fused experts
+        kernel computes with all experts at once, through the router: there is no product to read
+        one matrix's rows from). In place, a rank that holds a share of the matrix (tensor or expert
+        parallelism) returns every row, zero where it holds nothing, as ``partial``."""
         state = self._engine_state()
         layers = self._layers()
         dtype = self.vllm_config.model_config.dtype
@@ -529,6 +687,10 @@ class EngineUpdater:
             placement = state["placements"].get(name)
             if placement is None or placement.whole_only:
                 raise PayloadError(f"LoGRA sync: {name!r} is not a linear weight this engine updates by factors")
+            if isinstance(placement, ExpertsPlacement):
+                result[name] = self._experts_checksum(name, placement, seed)
+                result["copy_dtype"] = str(self._copy_of(name).dtype)
+                continue
             layer = layers[placement.module]
             result["tp_size"] = getattr(layer, "tp_size", 1)
             probe = checksum_probe(projection_seed(seed, 0, name), placement.in_features)[placement.projection_cols]
@@ -543,6 +705,22 @@ class EngineUpdater:
             partial = placement.projection_cols != slice(0, placement.in_features)
             result[name] = (placement.factor_rows.start, copy, served.double().cpu(), partial)
         return result
+
+    def _experts_checksum(self, name: str, placement: ExpertsPlacement, seed: int) -> tuple:
+        """:meth:`checksum_table`'s entry for stacked experts (no served product, see there)."""
+        probe = checksum_probe(projection_seed(seed, 0, name), placement.in_features)
+        copy = self._copy_of(name)
+        if self._engine_state()["mode"] == "reload":
+            return 0, weight_checksum(copy, probe), None, False
+        sums = torch.zeros(placement.out_features, dtype=torch.float64)
+        whole = sum(block.factor_rows.stop - block.factor_rows.start for block in placement.blocks)
+        partial = whole != placement.out_features or any(
+            block.projection_cols != slice(0, placement.in_features) for block in placement.blocks
+        )
+        for block in placement.blocks:
+            held = copy[block.expert, block.param_rows, block.param_cols]
+            sums[block.factor_rows] += weight_checksum(held, probe[block.projection_cols]).cpu()
+        return 0, sums, None, partial
 
     def status(self) -> dict:
         state = self._engine_state()

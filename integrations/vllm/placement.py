@@ -81,3 +81,95 @@ def row_parallel_placement(module: str, out_features: int, in_per_rank: int, tp_
         param_rows=slice(0, out_features),
         projection_cols=slice(tp_rank * in_per_rank, (tp_rank + 1) * in_per_rank),
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# Mixture-of-experts: vLLM's fused experts layers
+
+
+@dataclass(frozen=True)
+class ExpertBlock:
+    """One block of a stacked experts parameter: ``param[expert][param_rows, param_cols] ↔
+    W[factor_rows, projection_cols]`` of the trainer's ``E·d × k`` matrix (experts stacked by rows)."""
+
+    expert: int  # the engine's local index of the expert
+    factor_rows: slice
+    param_rows: slice
+    param_cols: slice
+    projection_cols: slice
+
+
+@dataclass(frozen=True)
+class ExpertsPlacement:
+    """Where a Hugging Face stacked experts weight (``E × d × k``, e.g. ``…experts.gate_up_proj``)
+    lives on one engine rank: in ``parameter`` (``w13_weight`` / ``w2_weight``) of ``module``, as
+    ``blocks``. The trainer treats the weight as the ``E·d × k`` matrix of its row-major layout, so
+    the rank's update is, per block, ``param[e][rows, cols] −= F[factor_rows] · A[:, projection_cols]``.
+    """
+
+    module: str
+    parameter: str
+    experts: int
+    out_features: int  # E·d
+    in_features: int  # k
+    blocks: tuple[ExpertBlock, ...]
+    whole_only: bool = False
+
+
+def _tp_share(size: int, tp_rank: int, tp_size: int) -> slice:
+    """The checkpoint rows/columns a rank loads along a sharded dimension, as vLLM's experts loader
+    takes them: ``size // tp_size`` per rank from ``tp_rank·(size // tp_size)``, cut at ``size``."""
+    per_rank = size // tp_size
+    start = min(per_rank * tp_rank, size)
+    return slice(start, min(start + per_rank, size))
+
+
+def gate_up_placement(
+    module: str,
+    experts: dict[int, int],
+    num_experts: int,
+    intermediate: int,
+    hidden: int,
+    local_intermediate: int,
+    tp_rank: int,
+    tp_size: int,
+) -> ExpertsPlacement:
+    """``gate_up_proj`` (``E × 2I × H``: gate rows, then up rows) on a rank's ``w13_weight``
+    (``E_local × 2·I_local × H_padded``: its gate block, then its up block, each ``I_local`` rows,
+    zero padding after the loaded rows and columns). ``experts`` maps global to local expert
+    indices (all of them without expert parallelism); ``local_intermediate`` is ``w13``'s rows / 2."""
+    share = _tp_share(intermediate, tp_rank, tp_size)
+    loaded = share.stop - share.start
+    blocks = []
+    for expert, local in sorted(experts.items()):
+        for half in (0, 1):  # gate, up
+            first = expert * 2 * intermediate + half * intermediate + share.start
+            blocks.append(
+                ExpertBlock(
+                    expert=local,
+                    factor_rows=slice(first, first + loaded),
+                    param_rows=slice(half * local_intermediate, half * local_intermediate + loaded),
+                    param_cols=slice(0, hidden),
+                    projection_cols=slice(0, hidden),
+                )
+            )
+    return ExpertsPlacement(module, "w13_weight", num_experts, num_experts * 2 * intermediate, hidden, tuple(blocks))
+
+
+def down_placement(
+    module: str, experts: dict[int, int], num_experts: int, intermediate: int, hidden: int, tp_rank: int, tp_size: int
+) -> ExpertsPlacement:
+    """``down_proj`` (``E × H × I``) on a rank's ``w2_weight`` (``E_local × H_padded × I_local``):
+    row-parallel, so each rank holds all rows and its share of the columns (of ``A``)."""
+    share = _tp_share(intermediate, tp_rank, tp_size)
+    blocks = tuple(
+        ExpertBlock(
+            expert=local,
+            factor_rows=slice(expert * hidden, (expert + 1) * hidden),
+            param_rows=slice(0, hidden),
+            param_cols=slice(0, share.stop - share.start),
+            projection_cols=share,
+        )
+        for expert, local in sorted(experts.items())
+    )
+    return ExpertsPlacement(module, "w2_weight", num_experts, num_experts * hidden, intermediate, blocks)

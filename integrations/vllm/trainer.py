@@ -332,13 +332,6 @@ class VLLMSync:
             raise ValueError(f"full_every must be a positive integer or None, got {full_every!r}")
         if not drift_bound > 0:
             raise ValueError(f"drift_bound must be positive, got {drift_bound!r}")
-        experts = [target.name for target in optimizer.targets if target.experts > 1]
-        if experts:
-            raise ValueError(
-                f"VLLMSync: compressed sync of mixture-of-experts weights ({experts[0]!r}, …) is not supported yet "
-                "(vLLM stores them fused in FusedMoE layers); sync full weights instead (attach_logra: "
-                "vllm_sync='full', TRL's own sync)"
-            )
         if check_every and any(target.layout.kind != REPLICATED for target in optimizer.targets):
             warnings.warn(
                 "VLLMSync: the trainer's target weights are sharded (FSDP2/ZeRO-3); the drift check "
@@ -501,11 +494,14 @@ class VLLMSync:
                 start, copy, served, partial = result[name]
                 rows = slice(start, start + copy.numel())
                 for key, local in (("copy", copy), ("served", served)):
-                    if partial:
+                    if local is None:  # stacked experts: no served product (EngineUpdater.checksum_table)
+                        engine[key] = None
+                    elif partial:
                         engine[key][rows] += local
                     else:
                         engine[key][rows] = local
-            pairs.append(((engine["copy"], sums[str(copy_dtype)]), (engine["served"], sums[str(served_dtype)])))
+            served = None if engine["served"] is None else (engine["served"], sums[str(served_dtype)])
+            pairs.append(((engine["copy"], sums[str(copy_dtype)]), served))
         return compare_checksums(pairs, served_dtype, self.drift_bound)
 
     def _drift_on_server(self, targets, seed: int) -> dict[str, float]:
@@ -538,6 +534,7 @@ def _trainer_checksums(targets, seed: int, dtypes) -> dict[str, dict[str, torch.
     sums = {}
     for target in targets:
         name, weight = target.parameter_name, target.weight.detach()
+        weight = weight.reshape(-1, weight.shape[-1])  # stacked experts: their E·d × k matrix
         probe = checksum_probe(projection_seed(seed, 0, name), weight.shape[1], device=weight.device)
         sums[name] = {str(dtype): weight_checksum(weight.to(dtype), probe).cpu() for dtype in dtypes}
     return sums
@@ -548,4 +545,4 @@ def _without(payload: SyncPayload | None, names: set[str]) -> SyncPayload | None
     if payload is None or not names:
         return payload
     updates = tuple(Update(u.index, tuple(t for t in u.targets if t.name not in names)) for u in payload.updates)
-    return SyncPayload(payload.rank, payload.projection, updates)
+    return SyncPayload(payload.rank, payload.projection, updates, payload.expert_rank)
