@@ -147,8 +147,11 @@ def local_data(weight: torch.Tensor, layout: WeightLayout) -> torch.Tensor:
 
 
 def local_sq_norm(weight: torch.Tensor, layout: WeightLayout) -> torch.Tensor:
-    """``Σ w²`` over the elements this rank stores, float64 (a 0-d tensor on the weight's device)."""
-    return torch.linalg.vector_norm(local_data(weight, layout), dtype=torch.float32).double().square()
+    """``Σ w²`` over the elements this rank stores, float64 (a 0-d tensor on the weight's device);
+    accumulated in fp32, or in fp64 for fp64 weights."""
+    data = local_data(weight, layout)
+    accumulate = torch.float64 if data.dtype == torch.float64 else torch.float32
+    return torch.linalg.vector_norm(data, dtype=accumulate).double().square()
 
 
 def check_no_fsdp1(model: nn.Module) -> None:

@@ -448,3 +448,75 @@ def test_the_router_trains_with_a_non_target_optimizer():
     assert all(router.grad is not None and router.grad.abs().sum() > 0 for router in routers)
     optimizer.step()
     assert all(not torch.equal(router, old) for router, old in zip(routers, before))
+
+
+def _tiny_family(family: str):
+    """A two-layer float64 model of a mixture-of-experts family (4 experts, top-2, eager experts),
+    with its shared experts / dense layers where the family has them."""
+    import transformers
+
+    common = dict(
+        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    configs = {
+        "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+            num_local_experts=4, num_experts_per_tok=2, intermediate_size=24,
+        )),
+        "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2, intermediate_size=24)),
+        "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=16,
+            intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[],
+        )),
+        "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1,
+            intermediate_size=48, first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=None, kv_lora_rank=16,
+            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, head_dim=8, num_key_value_heads=4,
+        )),
+        "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=16,
+            head_dim=8, linear_conv_kernel_dim=2, linear_key_head_dim=8, linear_value_head_dim=8,
+            linear_num_key_heads=2, linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"],
+        )),
+    }  # fmt: skip
+    config_class, model_class, extra = configs[family]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**{**common, **extra})).double()
+    for name, parameter in model.named_parameters():
+        if "experts" in name and parameter.dim() == 3:
+            nn.init.normal_(parameter, std=0.2)
+    model.config._attn_implementation = "eager"
+    model.config._experts_implementation = "eager"
+    return model
+
+
+@pytest.mark.parametrize("family", ["mixtral", "olmoe", "qwen2_moe", "deepseek_v3", "qwen3_5_moe"])
+def test_other_families_experts_are_targets_with_exact_sketches(family):
+    """Beyond Qwen3-MoE, transformers' experts of Mixtral, OLMoE, Qwen2-MoE (with its shared expert),
+    Qwen3.5-MoE (linear-attention layers) and DeepSeek-V3 (shared experts, a dense first layer,
+    grouped routing): every stacked experts weight becomes a target, the training forward equals the
+    model's own, and each sketch equals the dense gradient of the model's eager experts times ``Aᵀ``
+    (float64 model, fp32 sketches); a step moves them (and works on float64 weights)."""
+    reference = _tiny_family(family)
+    model = copy.deepcopy(reference)
+    batch = fixed_batch(batch=2, seq=10)
+    reference.train(), model.train()
+    expected = reference(**batch)
+    expected.loss.backward()
+    optimizer = LoGRAOptimizer(patch_model(model), rank=4)
+    experts = [target for target in optimizer.targets if target.experts > 1]
+    stacked = [name for name, p in reference.named_parameters() if "experts" in name and p.dim() == 3]
+    assert sorted(target.parameter_name for target in experts) == sorted(stacked) and stacked
+    got = model(**batch)
+    torch.testing.assert_close(got.logits, expected.logits, rtol=1e-10, atol=1e-10)
+    got.loss.backward()
+    dense = dict(reference.named_parameters())
+    for target in experts:
+        gradient = dense[target.parameter_name].grad
+        expected_sketch = gradient.reshape(-1, gradient.shape[-1]) @ target.state.projection.double().T
+        error = (target.state.sketch.double() - expected_sketch).norm() / expected_sketch.norm()
+        assert error < 1e-6, (target.name, float(error))
+    before = {target.name: target.weight.detach().clone() for target in experts}
+    optimizer.step()
+    for target in experts:
+        assert not torch.equal(target.weight, before[target.name]), target.name
