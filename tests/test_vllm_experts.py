@@ -133,7 +133,95 @@ def test_a_vllm_engine_follows_compressed_syncs_of_expert_weights(tmp_path):
     # Each compressed sync carries the experts' rank-4 factors: E·d × 4 bf16 numbers per weight.
     assert result["expert_factor_bytes"] == 4 * 2 * (4 * 64 + 4 * 32) * 4 * 2
     assert max(result["compressed_bytes"]) < 0.15 * result["full_bytes"]
+    # The engine's own placements (read from its real RoutedExperts layers): every expert, whole rows.
+    placements = result["placements"]
+    assert sorted(placements) == result["expert_targets"]
+    for layer in (0, 1):
+        gate_up = placements[f"model.layers.{layer}.mlp.experts.gate_up_proj"]
+        down = placements[f"model.layers.{layer}.mlp.experts.down_proj"]
+        assert (gate_up["parameter"], gate_up["experts"], gate_up["out_features"], gate_up["in_features"]) == (
+            "w13_weight",
+            4,
+            4 * 64,
+            32,
+        )
+        assert (down["parameter"], down["experts"], down["out_features"], down["in_features"]) == (
+            "w2_weight",
+            4,
+            4 * 32,
+            32,
+        )
+        assert [b["expert"] for b in gate_up["blocks"]] == [0, 0, 1, 1, 2, 2, 3, 3]
+        assert [b["factor_rows"] for b in gate_up["blocks"]][:2] == [[0, 32], [32, 64]]
+        assert [b["param_rows"] for b in gate_up["blocks"]][:2] == [[0, 32], [32, 64]]  # gate, then up
+        assert all(b["projection_cols"] == [0, 32] for b in down["blocks"])
+    assert result["unknown"] == ["model.layers.0.mlp.experts.w13"]  # what VLLMSync refuses after its first sync
     refusals = result["refusals"]
     assert "factor of rank 8, but the payload's rank for expert weights is 4" in refusals["linear rank"]
     assert "is for a 257×32 matrix, the engine's is 256×32" in refusals["rows"]
     assert "'model.layers.0.mlp.experts.gate_proj', which is not a linear weight of this engine" in refusals["name"]
+
+
+def test_grpo_with_colocated_vllm_on_a_moe_model_syncs_experts_compressed(tmp_path):
+    """TRL's GRPOTrainer with ``use_vllm=True`` colocated and ``attach_logra`` on the tiny Qwen3-MoE
+    (fresh process, 30 steps): one full sync, then only compressed ones carrying the experts' factors;
+    the engine (bf16, as TRL builds it) ends at the trainer's update with fp32 shadows equal to the
+    trainer's weights, and the reward rises."""
+    result_path = tmp_path / "result.json"
+    worker = os.path.join(ROOT, "tests", "vllm_workers", "grpo_colocate.py")
+    process = subprocess.run(
+        [sys.executable, worker, str(tmp_path), str(result_path), "moe", "30"],
+        env=dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests"), ROOT])),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-5000:]
+    result = json.loads(result_path.read_text())
+    print(result)
+    assert result["expert_targets"] == 4
+    assert result["kinds"][0] == "full" and set(result["kinds"][1:]) == {"compressed"}
+    assert result["compressed_bytes"] < 0.2 * result["full_bytes"]
+    assert result["engine_index"] == result["trainer_index"] == 30
+    assert result["engine_dtype"] == "torch.bfloat16" and result["engine_mode"] == "reload"
+    assert result["drift"] < 1e-6  # the engine's fp32 shadows, experts included, equal the trainer's weights
+    assert result["served_drift"] < result["served_bound"]
+    # A bf16 engine's router can pick other experts than the fp32 trainer's for a nearly tied token,
+    # so single tokens may differ more (seen: 0.30 on one of 20); the typical token differs by rounding.
+    assert result["engine_vs_trainer_median"] < 0.02
+    assert result["sampling_logp_difference"] < 0.02
+    assert result["last_reward"] > result["first_reward"] + 0.1, result
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest", "exact"])
+def test_a_whole_experts_matrix_merges_as_the_trainer_merged_it(rounding):
+    """An engine rank holding all experts unsliced and unpadded merges the ``E·d × k`` matrix in one
+    piece, so its bf16 copy repeats a bf16 trainer's stochastic rounding bit for bit (block by block
+    each block would draw its own noise); with tensor parallelism the blocks still land where the
+    trainer's rows are, within one rounding."""
+    from logra_optim.sync import merge_like_trainer_
+
+    experts, intermediate, hidden, rank = 3, 8, 16, 4
+    generator = torch.Generator().manual_seed(0)
+    trainer = torch.randn(experts, 2 * intermediate, hidden, generator=generator).to(torch.bfloat16)
+    factor = torch.randn(experts * 2 * intermediate, rank, generator=generator) * 1e-2
+    projection = torch.randn(rank, hidden, generator=generator)
+    target = TargetUpdate("experts.gate_up_proj", 12345, hidden, factor, rounding)
+    compensation = (lambda t: torch.zeros_like(t)) if rounding == "exact" else (lambda t: None)
+    flat = trainer.view(-1, hidden)
+    engine = trainer.clone()
+    merge_like_trainer_(flat, target, projection, 7, compensation(flat))
+    local = {e: e for e in range(experts)}
+    whole = gate_up_placement("experts", local, experts, intermediate, hidden, intermediate, 0, 1)
+    merge_into_experts_(engine, whole, target, projection, 7, compensation(engine))
+    assert torch.equal(engine, trainer)
+    # Two tensor-parallel ranks, each its gate and up halves: within one bf16 ulp of the exact update.
+    exact = (engine.double().view(-1, hidden) - factor.double() @ projection.double()).view_as(engine)
+    half = intermediate // 2
+    for tp_rank in (0, 1):
+        placement = gate_up_placement("experts", local, experts, intermediate, hidden, half, tp_rank, 2)
+        rows = [h * intermediate + tp_rank * half + i for h in (0, 1) for i in range(half)]  # gate, then up
+        shard = engine[:, rows].clone()
+        merge_into_experts_(shard, placement, target, projection, 8, compensation(shard))
+        error = (shard.double() - exact[:, rows]).abs()
+        assert bool((error <= exact[:, rows].abs() * 2**-7).all()), float(error.max())  # one bf16 ulp

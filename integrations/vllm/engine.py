@@ -19,6 +19,7 @@ applies ``W ← W − F A`` (docs/method.md §4). How depends on where the engin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -157,14 +158,17 @@ def _experts_placements(name: str, layer) -> dict[str, ExpertsPlacement]:
     names transformers gives them (``<experts module>.gate_up_proj`` ``[E, 2I, H]``,
     ``.down_proj`` ``[E, H, I]``), which vLLM's loader also accepts. Layouts this mapping does not
     cover (non-gated experts, other checkpoint names, redundant experts, padded tensor-parallel
-    shards) get no placement, so a payload naming them is refused by name."""
+    shards, experts that EPLB may move between slots, checkpoints that store the stacked weights
+    transposed) get no placement, so a payload naming them is refused by name."""
     config = layer.moe_config
     names = (layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name)
     if (
         not config.is_act_and_mul
         or names != ("gate_proj", "up_proj", "down_proj")
         or config.num_experts != config.num_logical_experts
+        or config.moe_parallel_config.enable_eplb
         or config.tp_shard_with_padding
+        or getattr(layer, "is_fused_checkpoint_transposed", False)
     ):
         return {}
     experts, intermediate = config.num_logical_experts, config.intermediate_size
@@ -201,43 +205,72 @@ def _holds_plain_weights(layer: nn.Module, placement: Placement | ExpertsPlaceme
 
 
 @contextmanager
-def _experts_repacked(layers: list[nn.Module]):
+def _experts_repacked(model: nn.Module):
     """Works around vLLM 0.32's CPU experts after an in-place reload: the fused-MoE method sets up
     its kernel's weight format (the CPU backend's prepacking) only at the first load, so reloaded
-    experts would be left unpacked and computed with as if packed. Counts the calls of each
-    reloaded experts layer's kernel's own ``process_weights_after_loading`` during the reload and,
-    once the reload has succeeded, makes the one that was skipped; a vLLM that makes it itself is
-    left alone."""
+    experts would be left unpacked and computed with as if packed (served log-probs off by ~0.1).
+    For every experts layer whose kernel has a weight-format step of its own, counts during the
+    reload the calls of the layer's ``process_weights_after_loading`` and of the kernel's step;
+    once the reload has succeeded, makes the kernel's step for each layer that was processed
+    without it. A vLLM that makes the call itself, or that rebuilt the kernel, is left alone."""
     from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExpertsModular
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
     base = FusedMoEExpertsModular.process_weights_after_loading
     watched = []
-    for layer in layers:
-        kernel = getattr(getattr(layer.quant_method, "moe_kernel", None), "fused_experts", None)
-        own = type(kernel).process_weights_after_loading if kernel is not None else base
-        if own is base:
+    for layer in model.modules():
+        method = getattr(layer, "quant_method", None)
+        kernel = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+        if not isinstance(layer, RoutedExperts) or kernel is None:
             continue
-        calls = [0]
+        if type(kernel).process_weights_after_loading is base:
+            continue
+        calls = {"layer": 0, "kernel": 0}
 
-        def counted(target, _own=own, _kernel=kernel, _calls=calls):
-            _calls[0] += 1
-            return _own(_kernel, target)
+        def counting(owner, key, _calls=calls):
+            own = type(owner).process_weights_after_loading
 
-        kernel.process_weights_after_loading = counted  # an instance attribute, removed below
-        watched.append((layer, kernel, calls))
+            def counted(target):
+                _calls[key] += 1
+                return own(owner, target)
+
+            owner.process_weights_after_loading = counted  # an instance attribute, removed below
+
+        counting(method, "layer")
+        counting(kernel, "kernel")
+        watched.append((layer, method, kernel, calls))
 
     def restore():
-        for _, kernel, _ in watched:
+        for _, method, kernel, _ in watched:
+            method.__dict__.pop("process_weights_after_loading", None)
             kernel.__dict__.pop("process_weights_after_loading", None)
 
     try:
         yield
         restore()
-        for layer, kernel, calls in watched:
-            if calls[0] == 0:
+        for layer, method, kernel, calls in watched:
+            if calls["layer"] and not calls["kernel"] and method.moe_kernel.fused_experts is kernel:
                 kernel.process_weights_after_loading(layer)
     finally:
         restore()
+
+
+def _as_whole_matrix(param: torch.Tensor, placement: ExpertsPlacement) -> torch.Tensor | None:
+    """``param`` as the trainer's ``E·d × k`` matrix, where its blocks are exactly that matrix's
+    rows in place (every expert local at its own index, no slicing, no padding); else ``None``."""
+    d, k = placement.out_features // placement.experts, placement.in_features
+    if tuple(param.shape) != (placement.experts, d, k) or not param.is_contiguous():
+        return None
+    for block in placement.blocks:
+        if (
+            block.factor_rows.start != block.expert * d + block.param_rows.start
+            or block.factor_rows.stop - block.factor_rows.start != block.param_rows.stop - block.param_rows.start
+            or block.param_cols != slice(0, k)
+            or block.projection_cols != slice(0, k)
+        ):
+            return None
+    held = sum(block.factor_rows.stop - block.factor_rows.start for block in placement.blocks)
+    return param.view(placement.out_features, k) if held == placement.out_features else None
 
 
 def merge_into_experts_(
@@ -250,7 +283,17 @@ def merge_into_experts_(
 ) -> None:
     """One target update applied in place to a rank's stacked experts parameter (``w13_weight`` /
     ``w2_weight``, ``E_local × rows × cols``), block by block as ``placement`` says: the rank's
-    share of ``W ← W − F A`` for the trainer's ``E·d × k`` matrix, padding left untouched."""
+    share of ``W ← W − F A`` for the trainer's ``E·d × k`` matrix, padding left untouched.
+
+    Where the rank holds the whole matrix unpadded (no tensor or expert parallelism), it is merged
+    as one matrix, as the trainer merged it, so that a bf16 trainer's stochastic rounding draws the
+    same noise and the copy stays bit-identical; block by block, each block draws its own."""
+    target = dataclasses.replace(target, factor=target.factor.to(param.device))  # once, not per block
+    rows = _as_whole_matrix(param, placement)
+    if rows is not None:
+        whole_compensation = None if compensation is None else compensation.view_as(rows)
+        merge_like_trainer_(rows, target, projection, update_index, whole_compensation)
+        return
     for block in placement.blocks:
         where = (block.expert, block.param_rows, block.param_cols)
         merge_like_trainer_(
@@ -344,10 +387,8 @@ class EngineUpdater:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
-        placements, layers = self._engine_state()["placements"], self._layers()
-        experts = {placements[name].module for name, _ in weights if isinstance(placements.get(name), ExpertsPlacement)}
         with _quiet_reload_logs(), set_current_vllm_config(self.vllm_config):
-            with _experts_repacked([layers[module] for module in sorted(experts)]):
+            with _experts_repacked(self.model()):
                 reload_weights(
                     self.vllm_config, self.model(), iter(weights), weights_path=None, is_checkpoint_format=True
                 )
@@ -371,7 +412,9 @@ class EngineUpdater:
             raise
         for name, tensor in new.items():
             if self._linear_module_of(name) is not None:
-                state["shadows"][name] = tensor.detach().to("cpu", state["shadow_dtype"], copy=True)
+                state["shadows"][name] = tensor.detach().to(
+                    "cpu", state["shadow_dtype"], copy=True, memory_format=torch.contiguous_format
+                )
 
     def _load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """Checkpoint-format tensors into the engine: through the shadows in reload mode. A 16-bit
@@ -483,11 +526,12 @@ class EngineUpdater:
                         f"LoGRA sync: update {update.index} names {target.name!r}, which the checkpoint stores fused "
                         "and the engine splits in its own way; it can only be loaded whole (VLLMSync sends it so)"
                     )
-                rank = payload.expert_rank if isinstance(placement, ExpertsPlacement) else payload.rank
+                experts = isinstance(placement, ExpertsPlacement)
+                rank = payload.expert_rank if experts else payload.rank
                 if target.rank != rank:
                     raise PayloadError(
                         f"LoGRA sync: update {update.index}, {target.name!r}: factor of rank {target.rank}, but the "
-                        f"payload's rank for {'expert' if rank == payload.expert_rank else 'linear'} weights is {rank}"
+                        f"payload's rank for {'expert' if experts else 'linear'} weights is {rank}"
                     )
                 if (target.out_features, target.in_features) != (placement.out_features, placement.in_features):
                     raise PayloadError(
@@ -615,6 +659,11 @@ class EngineUpdater:
                 projection = projection[:, placement.projection_cols]
                 merge_like_trainer_(rows, target, projection, update.index, compensation, placement.factor_rows)
 
+    def unknown_targets(self, names: list[str]) -> list[str]:
+        """The ``names`` this engine has no placement for (its model does not map onto them)."""
+        placements = self._engine_state()["placements"]
+        return [name for name in names if name not in placements]
+
     def check_targets(self, names: list[str]) -> None:
         """Refuse, before any update, targets this engine cannot update by factors: names that are
         not one of its linear weights, and matrices it can only load whole (the weight-transfer
@@ -690,6 +739,8 @@ class EngineUpdater:
             if isinstance(placement, ExpertsPlacement):
                 result[name] = self._experts_checksum(name, placement, seed)
                 result["copy_dtype"] = str(self._copy_of(name).dtype)
+                parallel = layers[placement.module].moe_config.moe_parallel_config
+                result["tp_size"] = parallel.tp_size * parallel.ep_size  # ranks that each hold a share
                 continue
             layer = layers[placement.module]
             result["tp_size"] = getattr(layer, "tp_size", 1)
@@ -770,3 +821,6 @@ class LoGRAWorkerExtension:
 
     def logra_status(self) -> dict:
         return _updater(self).status()
+
+    def logra_unknown_targets(self, names) -> list[str]:
+        return _updater(self).unknown_targets(names)

@@ -83,6 +83,9 @@ class _Colocated:
     def whole_only(self) -> set[str]:
         return set(self.call("logra_status")[0]["whole_only"])
 
+    def unknown(self, names: list[str]) -> list[str]:
+        return self.call("logra_unknown_targets", names)[0]
+
     def update(self, payload: bytes | None, weights: list | None, index: int) -> tuple[int, float]:
         """One compressed sync: the payload's factors, then the tensors sent whole."""
         sent, seconds = 0, 0.0
@@ -257,6 +260,9 @@ class VLLMServer:
     def whole_only(self) -> set[str]:
         return set()  # refused when the engine was initialised (see EngineUpdater.check_targets)
 
+    def unknown(self, names: list[str]) -> list[str]:
+        return []  # likewise
+
     def update(self, payload: bytes | None, weights: list | None, index: int) -> tuple[int, None]:
         """One compressed sync in one session: the payload's factors, then the tensors sent whole."""
         infos = []
@@ -398,7 +404,15 @@ class VLLMSync:
         return self._finish("full", sent, started, engine_seconds)
 
     def _targets_loaded_whole(self) -> list[tuple[str, torch.Tensor]]:
-        """Targets the engine can only load whole (asked once, after the first full sync)."""
+        """Targets the engine can only load whole (asked once, after the first full sync). Targets it
+        cannot place at all are an error now rather than at the first compressed sync."""
+        unknown = self.engine.unknown([target.parameter_name for target in self.optimizer.targets])
+        if unknown:
+            raise ValueError(
+                f"VLLMSync: the engine has no placement for {len(unknown)} targets, e.g. {unknown[0]!r}: its model "
+                "stores them in a layout the sync does not map (docs/sync.md, Limits); leave them out of LoGRA's "
+                "targets (mixture-of-experts weights: patch_model(model, experts=False)) or sync full weights"
+            )
         whole = self.engine.whole_only()
         targets = [(t.parameter_name, t.weight) for t in self.optimizer.targets if t.parameter_name in whole]
         if targets:

@@ -100,10 +100,11 @@ def build_moe_policy(seed: int = 0):
     return model
 
 
-def save_policy(directory, seed: int = 0) -> str:
-    """Save the policy and tokenizer to ``directory`` (for trainers given a model path); returns it."""
+def save_policy(directory, seed: int = 0, build=build_policy) -> str:
+    """Save the policy (``build(seed)``) and tokenizer to ``directory`` (for trainers given a model
+    path); returns it."""
     directory = str(directory)
-    build_policy(seed).save_pretrained(directory)
+    build(seed).save_pretrained(directory)
     build_tokenizer().save_pretrained(directory)
     return directory
 

@@ -36,6 +36,26 @@ def refused(llm, payload: SyncPayload) -> str:
     return message
 
 
+def experts_placements(worker) -> dict:
+    """The engine's own placements of its stacked experts weights (run on the worker)."""
+    from dataclasses import asdict
+
+    from logra_optim.integrations.vllm.engine import _updater
+    from logra_optim.integrations.vllm.placement import ExpertsPlacement
+
+    placements = _updater(worker)._engine_state()["placements"]
+    return {
+        name: {
+            **asdict(p),
+            "blocks": [
+                {k: [v.start, v.stop] if isinstance(v, slice) else v for k, v in asdict(b).items()} for b in p.blocks
+            ],
+        }
+        for name, p in placements.items()
+        if isinstance(p, ExpertsPlacement)
+    }
+
+
 def main(directory: str, result_path: str) -> None:
     model = tiny_qwen3_moe(
         0,
@@ -54,6 +74,8 @@ def main(directory: str, result_path: str) -> None:
     sync = VLLMSync(optimizer, llm, check_every=2)
     first = sync.sync()
     status = llm.collective_rpc("logra_status")[0]
+    placements = llm.collective_rpc(experts_placements)[0]
+    unknown = sync.engine.unknown(["model.layers.0.mlp.experts.down_proj", "model.layers.0.mlp.experts.w13"])
     generator = torch.Generator().manual_seed(0)
     before = trainer_logprobs(model)
     experts_before = {t.name: t.weight.detach().clone() for t in optimizer.targets if t.experts > 1}
@@ -105,6 +127,8 @@ def main(directory: str, result_path: str) -> None:
         "expert_factor_bytes": expert_factor_bytes,
         "refusals": messages,
         "expert_targets": sorted(t.parameter_name for t in optimizer.targets if t.experts > 1),
+        "placements": placements,
+        "unknown": unknown,
     }
     with open(result_path, "w") as file:
         json.dump(result, file)
