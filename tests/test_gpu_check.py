@@ -23,6 +23,7 @@ def test_quick_run_on_cpu_passes_every_check_it_can(tmp_path):
         "probe": "pass",
         "memory": "pass",
         "vLLM sync": "skipped",
+        "vLLM MoE sync": "skipped",
     }
     rows = report["checks"]["memory"]["rows"]
     assert {(row["method"], row["checkpointing"]) for row in rows} == {
