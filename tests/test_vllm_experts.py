@@ -5,6 +5,7 @@ Qwen3-MoE trainer's compressed syncs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -225,3 +226,88 @@ def test_a_whole_experts_matrix_merges_as_the_trainer_merged_it(rounding):
         merge_into_experts_(shard, placement, target, projection, 8, compensation(shard))
         error = (shard.double() - exact[:, rows]).abs()
         assert bool((error <= exact[:, rows].abs() * 2**-7).all()), float(error.max())  # one bf16 ulp
+
+
+def test_bf16_tensor_parallel_expert_copies_follow_200_real_updates_of_fp32_masters():
+    """The in-place path of a CUDA engine, without the GPU: two tensor-parallel ranks' bf16
+    ``w13_weight`` / ``w2_weight``, loaded by vLLM's own experts loader from a real optimizer's fp32
+    experts (a padded intermediate), follow 200 real updates at ``update_ratio`` 6e-5 block by block
+    with the compensation the engine starts from the load: each rank's copy stays within one bf16
+    rounding (plus the compensation's own) of the trainer's weights, where updates rounded to
+    nearest would vanish (each is below half an ulp)."""
+    from logra_optim import LoGRAOptimizer, patch_model
+    from logra_optim.integrations.vllm.engine import experts_rounding_remainder
+    from logra_optim.sync import projection_of
+    from tests.helpers.tiny import fixed_batch, tiny_qwen3_moe
+
+    model = patch_model(tiny_qwen3_moe(seed=3))
+    optimizer = LoGRAOptimizer(model, rank=8, expert_rank=4, update_ratio=6e-5)
+    experts = model.model.layers[0].mlp.experts
+    num_experts, two_i, hidden = experts.gate_up_proj.shape
+    intermediate, tp_size, pad = two_i // 2, 2, 4
+    local = {e: e for e in range(num_experts)}
+    names = {"model.layers.0.mlp.experts.gate_up_proj": "gate_up", "model.layers.0.mlp.experts.down_proj": "down"}
+
+    def loaded(tp_rank):  # vLLM's loader: fp32 weights into bf16 parameters, padding zero
+        w13, w2 = _vllm_loaded(
+            experts.gate_up_proj.detach().double(), experts.down_proj.detach().double(), local, tp_rank, tp_size,
+            intermediate // tp_size + pad, hidden,
+        )  # fmt: skip
+        return {"gate_up": w13.to(torch.bfloat16), "down": w2.to(torch.bfloat16)}
+
+    start = {"gate_up": experts.gate_up_proj.detach().clone(), "down": experts.down_proj.detach().clone()}
+    ranks = []
+    for tp_rank in range(tp_size):
+        params = loaded(tp_rank)
+        placements = {
+            "gate_up": gate_up_placement(
+                "experts", local, num_experts, intermediate, hidden, intermediate // tp_size + pad, tp_rank, tp_size
+            ),
+            "down": down_placement("experts", local, num_experts, intermediate, hidden, tp_rank, tp_size),
+        }
+        compensation = {
+            key: experts_rounding_remainder(start[key].reshape(-1, start[key].shape[-1]), params[key], placements[key])
+            for key in params
+        }
+        nearest = {key: value.clone() for key, value in params.items()}
+        ranks.append((params, placements, compensation, nearest))
+
+    def follow(_, update):
+        for target in update.targets:
+            key = names.get(target.name)
+            if key is None:
+                continue
+            projection = projection_of(SimpleNamespace(rank=target.rank, projection=optimizer.projection), target)
+            for params, placements, compensation, nearest in ranks:
+                merge_into_experts_(params[key], placements[key], target, projection, update.index, compensation[key])
+                nearest_target = dataclasses.replace(target, rounding="nearest")
+                merge_into_experts_(nearest[key], placements[key], nearest_target, projection, update.index)
+
+    optimizer.register_merge_hook(follow)
+    batch = fixed_batch(batch=4, seq=12)
+    for _ in range(200):
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def half_ulp_of(x):
+        return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(1e-30))) - 8)
+
+    for tp_rank, (params, _, compensation, nearest) in enumerate(ranks):
+        trained = _vllm_loaded(
+            experts.gate_up_proj.detach().double(), experts.down_proj.detach().double(), local, tp_rank, tp_size,
+            intermediate // tp_size + pad, hidden,
+        )  # fmt: skip
+        begun = _vllm_loaded(
+            start["gate_up"].double(), start["down"].double(), local, tp_rank, tp_size, intermediate // tp_size + pad,
+            hidden,
+        )  # fmt: skip
+        for key, reference, first in zip(("gate_up", "down"), trained, begun):
+            engine = params[key].double()
+            bound = half_ulp_of(reference) + half_ulp_of(torch.maximum(reference.abs(), first.abs())) / 4
+            assert bool(((engine - reference).abs() <= bound + 1e-30).all()), (tp_rank, key)
+            assert torch.equal(engine[reference == 0], reference[reference == 0])  # padding stays zero
+            change = (reference - first).norm()
+            assert change > 0
+            kept = (nearest[key].double() - first.to(torch.bfloat16).double()).norm() / change
+            assert kept < 0.5, f"rank {tp_rank} {key}: rounding to nearest kept {kept:.0%} of the change"

@@ -62,6 +62,7 @@ __all__ = [
     "EngineUpdater",
     "LoGRAWorkerExtension",
     "engine_placements",
+    "experts_rounding_remainder",
     "merge_into_experts_",
 ]
 
@@ -273,6 +274,17 @@ def _as_whole_matrix(param: torch.Tensor, placement: ExpertsPlacement) -> torch.
     return param.view(placement.out_features, k) if held == placement.out_features else None
 
 
+def experts_rounding_remainder(exact: torch.Tensor, param: torch.Tensor, placement: ExpertsPlacement) -> torch.Tensor:
+    """What loading the ``E·d × k`` matrix ``exact`` into a rank's 16-bit stacked parameter rounded
+    away, block by block (zero in padding): the compensation :func:`merge_into_experts_` starts from."""
+    compensation = torch.zeros_like(param)
+    for block in placement.blocks:
+        where = (block.expert, block.param_rows, block.param_cols)
+        part = exact[block.factor_rows, block.projection_cols].to(param.device)
+        compensation[where] = rounding_remainder(part, param[where])
+    return compensation
+
+
 def merge_into_experts_(
     param: torch.Tensor,
     placement: ExpertsPlacement,
@@ -439,12 +451,7 @@ class EngineUpdater:
                 if state["mode"] == "reload":
                     state["compensation"][name] = rounding_remainder(exact, copy)
                 elif isinstance(placement, ExpertsPlacement):
-                    compensation = torch.zeros_like(copy)
-                    for block in placement.blocks:
-                        held = copy[block.expert, block.param_rows, block.param_cols]
-                        part = exact[block.factor_rows, block.projection_cols].to(held.device)
-                        compensation[block.expert, block.param_rows, block.param_cols] = rounding_remainder(part, held)
-                    state["compensation"][name] = compensation
+                    state["compensation"][name] = experts_rounding_remainder(exact, copy, placement)
                 else:
                     exact = exact[placement.factor_rows, placement.projection_cols]
                     state["compensation"][name] = rounding_remainder(exact, copy)
