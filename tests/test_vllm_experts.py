@@ -50,7 +50,7 @@ def _vllm_loaded(gate_up, down, local, tp_rank, tp_size, local_intermediate, hid
     return w13, w2
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(
     experts=st.integers(1, 4),
     intermediate=st.integers(2, 9),
@@ -163,11 +163,12 @@ def test_a_vllm_engine_follows_compressed_syncs_of_expert_weights(tmp_path):
     assert "'model.layers.0.mlp.experts.gate_proj', which is not a linear weight of this engine" in refusals["name"]
 
 
-def test_grpo_with_colocated_vllm_on_a_moe_model_syncs_experts_compressed(tmp_path):
-    """TRL's GRPOTrainer with ``use_vllm=True`` colocated and ``attach_logra`` on the tiny Qwen3-MoE
-    (fresh process, 30 steps): one full sync, then only compressed ones carrying the experts' factors;
-    the engine (bf16, as TRL builds it) ends at the trainer's update with fp32 shadows equal to the
-    trainer's weights, and the reward rises."""
+def test_grpo_with_colocated_vllm_trains_and_syncs_compressed(tmp_path):
+    """TRL's GRPOTrainer with ``use_vllm=True`` colocated and ``attach_logra`` (fresh process: TRL sets
+    rank variables and builds its own engine, bf16 from an fp32 checkpoint) on a tiny Qwen3-MoE with a
+    dense MLP in layer 0 and experts in layer 1, so that vLLM's fused attention, fused dense MLP and
+    fused experts are all synced: 30 steps, one full sync, then only compressed ones; the engine ends
+    at the trainer's update with fp32 shadows equal to the trainer's weights, and the reward rises."""
     result_path = tmp_path / "result.json"
     worker = os.path.join(ROOT, "tests", "vllm_workers", "grpo_colocate.py")
     process = subprocess.run(
@@ -180,7 +181,7 @@ def test_grpo_with_colocated_vllm_on_a_moe_model_syncs_experts_compressed(tmp_pa
     assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-5000:]
     result = json.loads(result_path.read_text())
     print(result)
-    assert result["expert_targets"] == 4
+    assert result["expert_targets"] == 2  # layer 1's gate_up_proj and down_proj
     assert result["kinds"][0] == "full" and set(result["kinds"][1:]) == {"compressed"}
     assert result["compressed_bytes"] < 0.2 * result["full_bytes"]
     assert result["engine_index"] == result["trainer_index"] == 30

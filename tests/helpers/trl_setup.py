@@ -69,9 +69,10 @@ def build_policy(seed: int = 0):
     return Qwen2ForCausalLM(config)
 
 
-def build_moe_policy(seed: int = 0):
+def build_moe_policy(seed: int = 0, **overrides):
     """The tiny Qwen3-MoE policy (fp32, 4 experts top-2 in both layers, eager experts): the same
-    vocabulary and size class as :func:`build_policy`."""
+    vocabulary and size class as :func:`build_policy`. ``overrides``: config fields (e.g.
+    ``mlp_only_layers=[0]`` for a dense MLP in the first layer)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(
@@ -94,6 +95,8 @@ def build_moe_policy(seed: int = 0):
         eos_token_id=SPECIAL["<eos>"],
         bos_token_id=SPECIAL["<bos>"],
     )
+    for key, value in overrides.items():
+        setattr(config, key, value)
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(config)
     model.config._experts_implementation = "eager"

@@ -1,8 +1,10 @@
 """GRPO with ``use_vllm=True`` (colocate) and LoGRA on the toy task; writes a JSON summary.
 
 Usage: grpo_colocate.py OUTPUT_DIR RESULT_JSON [POLICY [STEPS]], with the repository root on PYTHONPATH;
-POLICY is ``dense`` (the tiny Qwen2, default) or ``moe`` (the tiny Qwen3-MoE), STEPS 40 by default."""
+POLICY is ``dense`` (the tiny Qwen2, default) or ``moe`` (the tiny Qwen3-MoE with a dense MLP in its first
+layer and experts in its second), STEPS 40 by default."""
 
+import functools
 import json
 import os
 import sys
@@ -19,7 +21,10 @@ from tests.helpers.vllm_helpers import engine_logprobs, max_difference, trainer_
 output, result_path = sys.argv[1], sys.argv[2]
 policy = sys.argv[3] if len(sys.argv) > 3 else "dense"
 steps = int(sys.argv[4]) if len(sys.argv) > 4 else 40
-build = {"dense": trl_setup.build_policy, "moe": trl_setup.build_moe_policy}[policy]
+build = {
+    "dense": trl_setup.build_policy,
+    "moe": functools.partial(trl_setup.build_moe_policy, mlp_only_layers=[0]),
+}[policy]
 path = trl_setup.save_policy(os.path.join(output, "policy"), build=build)
 trainer = trl_setup.build_trainer(
     "grpo",
