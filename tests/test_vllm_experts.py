@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from logra_optim.integrations.vllm.engine import merge_into_experts_  # noqa: E402
+from logra_optim.integrations.vllm.experts import merge_into_experts_  # noqa: E402
 from logra_optim.integrations.vllm.placement import down_placement, gate_up_placement  # noqa: E402
 from logra_optim.sync import TargetUpdate  # noqa: E402
 
@@ -237,7 +237,7 @@ def test_bf16_tensor_parallel_expert_copies_follow_200_real_updates_of_fp32_mast
     rounding (plus the compensation's own) of the trainer's weights, where updates rounded to
     nearest would vanish (each is below half an ulp)."""
     from logra_optim import LoGRAOptimizer, patch_model
-    from logra_optim.integrations.vllm.engine import experts_rounding_remainder
+    from logra_optim.integrations.vllm.experts import experts_rounding_remainder
     from logra_optim.sync import projection_of
     from tests.helpers.tiny import fixed_batch, tiny_qwen3_moe
 

@@ -10,7 +10,8 @@ The sync spans two processes, and the code is split the same way:
 * :mod:`.trainer` runs beside the optimizer: :class:`VLLMSync` records what the optimizer merges,
   sends it as a :class:`~logra_optim.sync.SyncPayload` and watches the drift between the copies.
 * :mod:`.placement` is the pure geometry both rely on: which rows and columns of a Hugging Face
-  matrix a fused, tensor-parallel engine layer holds. :mod:`.wire` is how values cross between
+  matrix a fused, tensor-parallel engine layer holds (experts included). :mod:`.experts` is the
+  engine side of vLLM's fused mixture-of-experts layers. :mod:`.wire` is how values cross between
   the two sides (base64 text inside a server's update requests).
 
 The names below are loaded on first use, so that a vLLM worker importing :mod:`.engine` (which

@@ -19,7 +19,6 @@ applies ``W ← W − F A`` (docs/method.md §4). How depends on where the engin
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
@@ -34,7 +33,6 @@ from logra_optim.updates import rounding_remainder
 from logra_optim.sync import (
     PayloadError,
     SyncPayload,
-    TargetUpdate,
     checksum_probe,
     merge_like_trainer_,
     projections_of,
@@ -43,13 +41,12 @@ from logra_optim.sync import (
 )
 
 from . import wire
+from .experts import experts_placements, experts_repacked, experts_rounding_remainder, merge_into_experts_
 from .placement import (
     ExpertsPlacement,
     Placement,
     checkpoint_fused_placement,
     column_parallel_placements,
-    down_placement,
-    gate_up_placement,
     row_parallel_placement,
 )
 
@@ -62,8 +59,6 @@ __all__ = [
     "EngineUpdater",
     "LoGRAWorkerExtension",
     "engine_placements",
-    "experts_rounding_remainder",
-    "merge_into_experts_",
 ]
 
 # What vLLM imports in its workers: must name the class below (a test resolves it).
@@ -116,7 +111,7 @@ def engine_placements(model: nn.Module) -> dict[str, Placement | ExpertsPlacemen
     placements: dict[str, Placement | ExpertsPlacement] = {}
     for name, layer in model.named_modules():
         if isinstance(layer, RoutedExperts):
-            placements.update(_experts_placements(name, layer))
+            placements.update(experts_placements(name, layer))
         if not isinstance(layer, LinearBase):
             continue
         prefix, _, short = name.rpartition(".")
@@ -154,38 +149,6 @@ def engine_placements(model: nn.Module) -> dict[str, Placement | ExpertsPlacemen
     return placements
 
 
-def _experts_placements(name: str, layer) -> dict[str, ExpertsPlacement]:
-    """The stacked HF weights of one of vLLM's fused experts layers (``RoutedExperts``), under the
-    names transformers gives them (``<experts module>.gate_up_proj`` ``[E, 2I, H]``,
-    ``.down_proj`` ``[E, H, I]``), which vLLM's loader also accepts. Layouts this mapping does not
-    cover (non-gated experts, other checkpoint names, redundant experts, padded tensor-parallel
-    shards, experts that EPLB may move between slots, checkpoints that store the stacked weights
-    transposed) get no placement, so a payload naming them is refused by name."""
-    config = layer.moe_config
-    names = (layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name)
-    if (
-        not config.is_act_and_mul
-        or names != ("gate_proj", "up_proj", "down_proj")
-        or config.num_experts != config.num_logical_experts
-        or config.moe_parallel_config.enable_eplb
-        or config.tp_shard_with_padding
-        or getattr(layer, "is_fused_checkpoint_transposed", False)
-    ):
-        return {}
-    experts, intermediate = config.num_logical_experts, config.intermediate_size
-    hidden = config.hidden_dim_unpadded or config.hidden_dim
-    local = {e: layer.expert_map_manager.map_global_to_local(e) for e in range(experts)}
-    local = {e: int(index) for e, index in local.items() if int(index) >= 0}
-    tp_rank, tp_size = config.moe_parallel_config.tp_rank, config.moe_parallel_config.tp_size
-    prefix = layer.layer_name
-    return {
-        f"{prefix}.gate_up_proj": gate_up_placement(
-            name, local, experts, intermediate, hidden, layer.w13_weight.shape[1] // 2, tp_rank, tp_size
-        ),
-        f"{prefix}.down_proj": down_placement(name, local, experts, intermediate, hidden, tp_rank, tp_size),
-    }
-
-
 def _holds_plain_weights(layer: nn.Module, placement: Placement | ExpertsPlacement) -> bool:
     """Whether the engine computes with ``layer``'s weights as loaded (unpacked, unquantized, in
     vLLM's layout), so that they can be updated in place. Fused experts: only the Triton backend's
@@ -203,119 +166,6 @@ def _holds_plain_weights(layer: nn.Module, placement: Placement | ExpertsPlaceme
             and weight.dim() == 3
         )
     return layer.weight.dim() == 2 and layer.weight.numel() > 0 and isinstance(method, UnquantizedLinearMethod)
-
-
-@contextmanager
-def _experts_repacked(model: nn.Module):
-    """Works around vLLM 0.32's CPU experts after an in-place reload: the fused-MoE method sets up
-    its kernel's weight format (the CPU backend's prepacking) only at the first load, so reloaded
-    experts would be left unpacked and computed with as if packed (served log-probs off by ~0.1).
-    For every experts layer whose kernel has a weight-format step of its own, counts during the
-    reload the calls of the layer's ``process_weights_after_loading`` and of the kernel's step;
-    once the reload has succeeded, makes the kernel's step for each layer that was processed
-    without it. A vLLM that makes the call itself, or that rebuilt the kernel, is left alone."""
-    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExpertsModular
-    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
-
-    base = FusedMoEExpertsModular.process_weights_after_loading
-    watched = []
-    for layer in model.modules():
-        method = getattr(layer, "quant_method", None)
-        kernel = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
-        if not isinstance(layer, RoutedExperts) or kernel is None:
-            continue
-        if type(kernel).process_weights_after_loading is base:
-            continue
-        calls = {"layer": 0, "kernel": 0}
-
-        def counting(owner, key, _calls=calls):
-            own = type(owner).process_weights_after_loading
-
-            def counted(target):
-                _calls[key] += 1
-                return own(owner, target)
-
-            owner.process_weights_after_loading = counted  # an instance attribute, removed below
-
-        counting(method, "layer")
-        counting(kernel, "kernel")
-        watched.append((layer, method, kernel, calls))
-
-    def restore():
-        for _, method, kernel, _ in watched:
-            method.__dict__.pop("process_weights_after_loading", None)
-            kernel.__dict__.pop("process_weights_after_loading", None)
-
-    try:
-        yield
-        restore()
-        for layer, method, kernel, calls in watched:
-            if calls["layer"] and not calls["kernel"] and method.moe_kernel.fused_experts is kernel:
-                kernel.process_weights_after_loading(layer)
-    finally:
-        restore()
-
-
-def _as_whole_matrix(param: torch.Tensor, placement: ExpertsPlacement) -> torch.Tensor | None:
-    """``param`` as the trainer's ``E·d × k`` matrix, where its blocks are exactly that matrix's
-    rows in place (every expert local at its own index, no slicing, no padding); else ``None``."""
-    d, k = placement.out_features // placement.experts, placement.in_features
-    if tuple(param.shape) != (placement.experts, d, k) or not param.is_contiguous():
-        return None
-    for block in placement.blocks:
-        if (
-            block.factor_rows.start != block.expert * d + block.param_rows.start
-            or block.factor_rows.stop - block.factor_rows.start != block.param_rows.stop - block.param_rows.start
-            or block.param_cols != slice(0, k)
-            or block.projection_cols != slice(0, k)
-        ):
-            return None
-    held = sum(block.factor_rows.stop - block.factor_rows.start for block in placement.blocks)
-    return param.view(placement.out_features, k) if held == placement.out_features else None
-
-
-def experts_rounding_remainder(exact: torch.Tensor, param: torch.Tensor, placement: ExpertsPlacement) -> torch.Tensor:
-    """What loading the ``E·d × k`` matrix ``exact`` into a rank's 16-bit stacked parameter rounded
-    away, block by block (zero in padding): the compensation :func:`merge_into_experts_` starts from."""
-    compensation = torch.zeros_like(param)
-    for block in placement.blocks:
-        where = (block.expert, block.param_rows, block.param_cols)
-        part = exact[block.factor_rows, block.projection_cols].to(param.device)
-        compensation[where] = rounding_remainder(part, param[where])
-    return compensation
-
-
-def merge_into_experts_(
-    param: torch.Tensor,
-    placement: ExpertsPlacement,
-    target: TargetUpdate,
-    projection: torch.Tensor,
-    update_index: int,
-    compensation: torch.Tensor | None = None,
-) -> None:
-    """One target update applied in place to a rank's stacked experts parameter (``w13_weight`` /
-    ``w2_weight``, ``E_local × rows × cols``), block by block as ``placement`` says: the rank's
-    share of ``W ← W − F A`` for the trainer's ``E·d × k`` matrix, padding left untouched.
-
-    Where the rank holds the whole matrix unpadded (no tensor or expert parallelism), it is merged
-    as one matrix, as the trainer merged it, so that a bf16 trainer's stochastic rounding draws the
-    same noise and the copy stays bit-identical; block by block, each block draws its own."""
-    target = dataclasses.replace(target, factor=target.factor.to(param.device))  # once, not per block
-    rows = _as_whole_matrix(param, placement)
-    if rows is not None:
-        whole_compensation = None if compensation is None else compensation.view_as(rows)
-        merge_like_trainer_(rows, target, projection, update_index, whole_compensation)
-        return
-    for block in placement.blocks:
-        where = (block.expert, block.param_rows, block.param_cols)
-        merge_like_trainer_(
-            param[where],
-            target,
-            projection[:, block.projection_cols],
-            update_index,
-            None if compensation is None else compensation[where],
-            block.factor_rows,
-        )
 
 
 def _named_tensors(weights) -> list[tuple[str, torch.Tensor]]:
@@ -400,7 +250,7 @@ class EngineUpdater:
         from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
         with _quiet_reload_logs(), set_current_vllm_config(self.vllm_config):
-            with _experts_repacked(self.model()):
+            with experts_repacked(self.model()):
                 reload_weights(
                     self.vllm_config, self.model(), iter(weights), weights_path=None, is_checkpoint_format=True
                 )
