@@ -44,7 +44,7 @@ import torch
 
 from logra_optim import LoGRAOptimizer, patch_model
 from logra_optim.cli.runner import run_fresh
-from logra_optim.cli.shapes import PRESETS
+from logra_optim.cli.shapes import DENSE_PRESETS, PRESETS
 from logra_optim.integrations.vllm import VLLMServer, VLLMSync
 from logra_optim.sync import full_sync_bytes, sparse_delta
 
@@ -53,7 +53,8 @@ MODES = ("colocate", "server")
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--presets", nargs="+", default=["qwen2.5-0.5b", "qwen2.5-7b"], choices=sorted(PRESETS))
+    # Dense shapes only: the sparse-delta baseline does not patch stacked experts (docs/sync.md, Limits).
+    parser.add_argument("--presets", nargs="+", default=["qwen2.5-0.5b", "qwen2.5-7b"], choices=sorted(DENSE_PRESETS))
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--ranks", nargs="+", type=int, default=[8, 32, 128])
     parser.add_argument("--modes", nargs="+", default=["colocate"], choices=MODES)
