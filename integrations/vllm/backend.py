@@ -16,6 +16,10 @@ request itself: each ``update_info`` carries a ``kind`` and its data as wire tex
 ``torch.save``, :mod:`.wire`), which works on any machine; :class:`~.trainer.VLLMSync` is the
 sender. The endpoints return no data, so the drift check runs here (``kind="verify"``): the
 trainer sends its own checksums and the engine refuses when its copy has drifted past the bound.
+
+With ``transport="nccl"`` or ``"gloo"`` in the init info, the tensors of each update come over a
+process group with the trainer instead, in vLLM's packing, and the request carries the rest
+(:mod:`.transport`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from logra_optim.sync import SyncPayload
+
+from . import transport, wire
 from .engine import EngineUpdater
 from .plugin import PROTOCOL
 
@@ -40,10 +47,18 @@ KINDS = ("full", "load", "apply", "verify", "patch")
 @dataclass
 class LoGRAInitInfo(WeightTransferInitInfo):
     """``protocol``: the trainer's :data:`.plugin.PROTOCOL`. ``targets``: the checkpoint names it will
-    update by factors, checked against the engine's linear layers once, before any update."""
+    update by factors, checked against the engine's linear layers once, before any update.
+    ``transport``: where updates' tensors travel (:mod:`.transport`); for ``"nccl"`` and ``"gloo"``
+    the group's rendezvous (the trainer's TCP store, ``world_size`` = 1 + the engine's workers) and
+    the packing's ``buffer_bytes``."""
 
     protocol: int
     targets: list[str] = field(default_factory=list)
+    transport: str = "request"
+    master_address: str | None = None
+    master_port: int | None = None
+    world_size: int | None = None
+    buffer_bytes: int = transport.DEFAULT_BUFFER_BYTES
 
 
 @dataclass
@@ -53,10 +68,12 @@ class LoGRAUpdateInfo(WeightTransferUpdateInfo):
     :class:`~logra_optim.sync.SyncPayload`) or ``"verify"`` (the trainer's checksums, seed and
     ``drift_bound``), or ``"patch"`` (a lossless sparse delta: changed entries and their indices, the
     baseline of ``benchmarks/bench_sync.py``). ``data``: the tensors, payload, checksums or patches as
-    wire text."""
+    wire text; with a process-group transport, without its tensors, which follow over the group as
+    ``tensors`` (``[dtype, shape]`` each) describes."""
 
     kind: str
     data: str
+    tensors: list | None = None
     update_index: int | None = None
     shadow_dtype: str = "float32"
     seed: int = 0
@@ -78,9 +95,11 @@ class LoGRAWeightTransferEngine(WeightTransferEngine[LoGRAInitInfo, LoGRAUpdateI
         super().__init__(config, vllm_config, device, model)
         self.updater = EngineUpdater(lambda: self.model, vllm_config)
         self.initialised = False
+        self.group = None
+        self.buffer_bytes = transport.DEFAULT_BUFFER_BYTES
 
     def parse_init_info(self, init_dict: dict) -> LoGRAInitInfo:
-        if "master_address" in init_dict or "nccl_unique_id_b64" in init_dict:
+        if "protocol" not in init_dict and ("master_address" in init_dict or "nccl_unique_id_b64" in init_dict):
             raise ValueError(
                 "LoGRA weight transfer: this server runs the logra backend, and an NCCL client (TRL's VLLMClient) "
                 "tried to open an NCCL group with it; import logra_optim.integrations.trl before building the "
@@ -94,7 +113,25 @@ class LoGRAWeightTransferEngine(WeightTransferEngine[LoGRAInitInfo, LoGRAUpdateI
                 f"LoGRA weight transfer: the trainer speaks protocol {init_info.protocol}, this engine's logra-optim "
                 f"speaks {PROTOCOL}; install the same logra-optim version in the trainer and the vLLM server"
             )
+        if init_info.transport not in transport.TRANSPORTS:
+            raise ValueError(
+                f"LoGRA weight transfer: transport must be one of {', '.join(transport.TRANSPORTS)}, "
+                f"got {init_info.transport!r}"
+            )
         self.updater.check_targets(init_info.targets)
+        self.shutdown()
+        if init_info.transport != "request":
+            if None in (init_info.master_address, init_info.master_port, init_info.world_size):
+                raise ValueError(
+                    f"LoGRA weight transfer: transport {init_info.transport!r} needs master_address, master_port "
+                    "and world_size"
+                )
+            parallel = self.parallel_config
+            rank = 1 + parallel.data_parallel_index * parallel.world_size + parallel.rank
+            self.group = transport.open_group(
+                init_info.transport, init_info.master_address, init_info.master_port, rank, init_info.world_size
+            )
+            self.buffer_bytes = init_info.buffer_bytes
         self.initialised = True
 
     def start_weight_update(self) -> None:
@@ -113,6 +150,14 @@ class LoGRAWeightTransferEngine(WeightTransferEngine[LoGRAInitInfo, LoGRAUpdateI
         if not self.initialised:
             raise RuntimeError("LoGRA weight transfer: not initialised; call /init_weight_transfer_engine first")
         kind, data = update_info.kind, update_info.data
+        if update_info.tensors is not None:
+            if self.group is None:
+                raise RuntimeError("LoGRA weight transfer: this update's tensors come over a group, but none is open")
+            # Received before anything is checked, so that a refused update still drains the stream.
+            received = transport.receive_tensors(self.group, update_info.tensors, self.buffer_bytes)
+            data = transport.join_tensors(wire.load(data), received)
+            if kind == "apply":
+                data = SyncPayload.from_dict(data)
         if kind == "full":
             if update_info.update_index is None:
                 raise ValueError("LoGRA weight transfer: a full update needs update_index")
@@ -130,3 +175,6 @@ class LoGRAWeightTransferEngine(WeightTransferEngine[LoGRAInitInfo, LoGRAUpdateI
 
     def shutdown(self) -> None:
         self.initialised = False
+        if self.group is not None and hasattr(self.group, "destroy"):
+            self.group.destroy()  # vLLM's PyNcclCommunicator
+        self.group = None

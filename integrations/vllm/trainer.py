@@ -20,6 +20,7 @@ import urllib.error
 import urllib.request
 import warnings
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ from logra_optim.sync import (
     weight_checksum,
 )
 
-from . import wire
+from . import transport, wire
 from .engine import (
     DRIFT_MARKER,
     EXTENSION,
@@ -45,6 +46,7 @@ from .engine import (
     drift_exceeded,
 )
 from .plugin import BACKEND, PROTOCOL
+from .transport import DEFAULT_BUFFER_BYTES, TRANSPORTS
 
 __all__ = ["ServerError", "VLLMServer", "VLLMSync", "server_backend"]
 
@@ -86,10 +88,11 @@ class _Colocated:
     def unknown(self, names: list[str]) -> list[str]:
         return self.call("logra_unknown_targets", names)[0]
 
-    def update(self, payload: bytes | None, weights: list | None, index: int) -> tuple[int, float]:
+    def update(self, payload: SyncPayload | bytes | None, weights: list | None, index: int) -> tuple[int, float]:
         """One compressed sync: the payload's factors, then the tensors sent whole."""
         sent, seconds = 0, 0.0
         if payload is not None:
+            payload = payload.encode() if isinstance(payload, SyncPayload) else payload
             sent, seconds = len(payload), self.call("logra_apply", payload)[0]["seconds"]
         if weights:
             sent += self.load(weights)
@@ -160,14 +163,36 @@ def _chunks(weights: list[tuple[str, torch.Tensor]], limit: int) -> Iterable[lis
 
 class VLLMServer:
     """A vLLM server with the ``logra`` weight-transfer backend, driven through vLLM's own endpoints
-    (:mod:`.backend`): each sync is ``/start_weight_update``, one or two ``/update_weights`` with the
-    data inside the request, and ``/finish_weight_update`` with the update index as the weight
-    version (``GET /weight_info`` reads it back). The endpoints return no data: the engine's timing
-    is not known here, and the drift check runs on the engine (:meth:`verify`)."""
+    (:mod:`.backend`): each sync is ``/start_weight_update``, one or two ``/update_weights`` and
+    ``/finish_weight_update`` with the update index as the weight version (``GET /weight_info``
+    reads it back). The endpoints return no data: the engine's timing is not known here, and the
+    drift check runs on the engine (:meth:`verify`).
 
-    def __init__(self, url: str, targets: list[str], timeout: float = 600.0, chunk_bytes: int = 256 * 2**20):
+    ``transport``: where the updates' tensors travel. ``"request"``: inside the request (base64,
+    any machine). ``"nccl"`` (GPUs) / ``"gloo"`` (CPUs): over a process group this trainer opens
+    with the server's workers at :meth:`initialise`, in vLLM's packing, ``buffer_bytes`` per
+    buffer (:mod:`.transport`); the workers must reach this machine at ``master_address`` (default:
+    its address on the route to the server)."""
+
+    def __init__(
+        self,
+        url: str,
+        targets: list[str],
+        timeout: float = 600.0,
+        chunk_bytes: int = 256 * 2**20,
+        *,
+        transport: str = "request",
+        master_address: str | None = None,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+    ):
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+        if not isinstance(buffer_bytes, int) or buffer_bytes < 1:
+            raise ValueError(f"buffer_bytes must be a positive integer, got {buffer_bytes!r}")
         self.url, self.targets, self.timeout, self.chunk_bytes = url.rstrip("/"), targets, timeout, chunk_bytes
+        self.transport, self.master_address, self.buffer_bytes = transport, master_address, buffer_bytes
         self.model_dtype: torch.dtype | None = None  # known once initialised
+        self.group = None  # the trainer's end of a process-group transport, once initialised
 
     def _request(self, path: str, body: dict | None = None, method: str = "POST"):
         request = urllib.request.Request(
@@ -198,33 +223,70 @@ class VLLMServer:
                     raise RuntimeError(f"vLLM server {self.url} did not come up") from None
                 time.sleep(1)
 
-    def config(self) -> tuple[str | None, torch.dtype]:
-        """The server's weight-transfer backend and model dtype (from ``/server_info``)."""
+    def _server_config(self) -> dict:
         try:
-            config = self._request("/server_info?config_format=json", method="GET")["vllm_config"]
+            return self._request("/server_info?config_format=json", method="GET")["vllm_config"]
         except ServerError as error:
             raise RuntimeError(
                 f"vLLM server {self.url} does not offer vLLM's weight-transfer endpoints (GET /server_info: HTTP "
                 f"{error.status}); {START_SERVER}"
             ) from error
+
+    def config(self) -> tuple[str | None, torch.dtype]:
+        """The server's weight-transfer backend and model dtype (from ``/server_info``)."""
+        config = self._server_config()
         backend = (config.get("weight_transfer_config") or {}).get("backend")
         return backend, wire.dtype(config["model_config"]["dtype"])
 
     def initialise(self) -> None:
         """Check that the server runs the ``logra`` backend, then hand it the protocol version and the
-        target names (the engine refuses names it cannot update by factors). Once per server."""
+        target names (the engine refuses names it cannot update by factors), and open the process
+        group of a ``nccl``/``gloo`` transport. Once per server."""
         if self.model_dtype is not None:
             return
-        backend, model_dtype = self.config()
+        config = self._server_config()
+        backend = (config.get("weight_transfer_config") or {}).get("backend")
         if backend != BACKEND:
             raise RuntimeError(
                 f"vLLM server {self.url} runs weight-transfer backend {backend!r}, not {BACKEND!r}: LoGRA syncs need "
                 f"logra-optim installed beside the server and {START_SERVER}"
             )
-        self._request("/init_weight_transfer_engine", {"init_info": {"protocol": PROTOCOL, "targets": self.targets}})
-        self.model_dtype = model_dtype
+        init = {"protocol": PROTOCOL, "targets": self.targets}
+        self._request("/init_weight_transfer_engine", {"init_info": init})
+        if self.transport != "request":
+            # The request above checked everything else, so that the engine's workers now join the group
+            # (rank 0 here) rather than refuse while this side waits for them.
+            parallel = config["parallel_config"]
+            workers = parallel["tensor_parallel_size"] * parallel["pipeline_parallel_size"]
+            workers *= parallel["data_parallel_size"]
+            host = self.master_address or transport.address_towards(self.url)
+            rendezvous = {"master_address": host, "master_port": transport.free_port(host), "world_size": 1 + workers}
+            init.update(rendezvous, transport=self.transport, buffer_bytes=self.buffer_bytes)
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                answer = pool.submit(self._request, "/init_weight_transfer_engine", {"init_info": init})
+                self.group = transport.open_group(self.transport, host, rendezvous["master_port"], 0, 1 + workers)
+                answer.result()
+        self.model_dtype = wire.dtype(config["model_config"]["dtype"])
 
-    def _session(self, infos: Iterable[dict], version: int | None = None) -> int:
+    def _info(self, kind: str, data, **fields) -> tuple[dict, list[torch.Tensor] | None]:
+        """An update's info and, for a process-group transport, the tensors that travel beside it."""
+        if self.transport == "request":
+            return {"kind": kind, "data": wire.dump(data), **fields}, None
+        skeleton, tensors = transport.split_tensors(data)
+        return {"kind": kind, "data": wire.dump(skeleton), "tensors": transport.describe(tensors), **fields}, tensors
+
+    def _send(self, info: dict, tensors: list[torch.Tensor] | None) -> int:
+        """One ``/update_weights``; its tensors are broadcast while the workers receive them inside it."""
+        if tensors is None:
+            self._request("/update_weights", {"update_info": info})
+            return len(info["data"])
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            answer = pool.submit(self._request, "/update_weights", {"update_info": info})
+            sent = transport.send_tensors(self.group, tensors, self.buffer_bytes)
+            answer.result()
+        return len(info["data"]) + sent
+
+    def _session(self, infos: Iterable[tuple[dict, list | None]], version: int | None = None) -> int:
         """One update session: ``/start_weight_update``, one ``/update_weights`` per info (made as it is
         sent), ``/finish_weight_update`` with ``version`` as vLLM's weight version; returns the bytes
         sent. vLLM ends the session itself when it refuses an update; after any other failure (a
@@ -234,9 +296,8 @@ class VLLMServer:
         self._request("/start_weight_update")
         sent = 0
         try:
-            for info in infos:
-                self._request("/update_weights", {"update_info": info})
-                sent += len(info["data"])
+            for info, tensors in infos:
+                sent += self._send(info, tensors)
         except BaseException as error:
             self.model_dtype = None
             if not isinstance(error, ServerError):
@@ -252,7 +313,7 @@ class VLLMServer:
         """Full weights in requests of at most :attr:`chunk_bytes` (whole decoder layers or modules
         per request, so that the engine never reloads half of a fused layer), one session."""
         infos = (
-            {"kind": "full", "data": wire.dump(dict(chunk)), "update_index": update_index, "shadow_dtype": shadow_dtype}
+            self._info("full", dict(chunk), update_index=update_index, shadow_dtype=shadow_dtype)
             for chunk in _chunks(weights, self.chunk_bytes)
         )
         return self._session(infos, update_index), None
@@ -263,26 +324,26 @@ class VLLMServer:
     def unknown(self, names: list[str]) -> list[str]:
         return []  # likewise
 
-    def update(self, payload: bytes | None, weights: list | None, index: int) -> tuple[int, None]:
+    def update(self, payload: SyncPayload | bytes | None, weights: list | None, index: int) -> tuple[int, None]:
         """One compressed sync in one session: the payload's factors, then the tensors sent whole."""
         infos = []
         if payload is not None:
-            infos.append({"kind": "apply", "data": wire.to_wire(payload)})
+            infos.append(self._info("apply", _decoded(payload).to_dict()))
         if weights:
-            infos.append({"kind": "load", "data": wire.dump(dict(weights))})
+            infos.append(self._info("load", dict(weights)))
         return self._session(infos, index), None
 
     def load(self, weights) -> int:
-        return self._session([{"kind": "load", "data": wire.dump(dict(weights))}])
+        return self._session([self._info("load", dict(weights))])
 
     def patch(self, patches: dict) -> tuple[int, None]:
-        return self._session([{"kind": "patch", "data": wire.dump(patches)}]), None
+        return self._session([self._info("patch", patches)]), None
 
     def verify(self, expected: dict, seed: int, drift_bound: float) -> dict | None:
         """``None`` when the engine found its weights within the bound; otherwise what it measured."""
         try:
             info = {"kind": "verify", "data": wire.dump(expected), "seed": seed, "drift_bound": drift_bound}
-            self._session([info])
+            self._session([(info, None)])  # small: always inside the request
         except ServerError as error:
             message = error.message
             if DRIFT_MARKER not in message:
@@ -313,6 +374,11 @@ class VLLMSync:
         full_every: a full sync every this many syncs regardless (``None``: only when needed).
         shadow_dtype: dtype of the engine's shadow copies in reload mode.
         log: ``f(dict)`` called after every sync with its statistics (kind, bytes, seconds, drift).
+        transport: for a server, where the tensors travel: ``"request"`` (inside vLLM's update
+            requests), ``"nccl"`` (a process group with the server's GPU workers, as vLLM's own
+            ``nccl`` backend) or ``"gloo"`` (the same on CPUs); see :class:`VLLMServer`.
+        master_address: for ``"nccl"``/``"gloo"``: the address of this machine the server's workers
+            connect to (default: its address on the route to the server).
 
     Call :meth:`sync` whenever the engine must catch up (before generating). The first call, a call
     after :meth:`mark_weights_discarded` (vLLM sleep level 2), every ``full_every``-th call and any
@@ -331,6 +397,8 @@ class VLLMSync:
         full_every: int | None = None,
         shadow_dtype: torch.dtype = torch.float32,
         log: Callable[[dict], None] | None = None,
+        transport: str = "request",
+        master_address: str | None = None,
     ):
         if not isinstance(check_every, int) or check_every < 0:
             raise ValueError(f"check_every must be a non-negative integer, got {check_every!r}")
@@ -347,7 +415,10 @@ class VLLMSync:
             check_every = 0
         self.optimizer = optimizer
         if isinstance(engine, str):
-            self.engine = VLLMServer(engine, [target.parameter_name for target in optimizer.targets])
+            targets = [target.parameter_name for target in optimizer.targets]
+            self.engine = VLLMServer(engine, targets, transport=transport, master_address=master_address)
+        elif transport != "request":
+            raise ValueError(f"transport={transport!r} is for a vLLM server (a URL); an LLM object is reached directly")
         else:
             self.engine = _Colocated(engine)
         self.named_parameters = named_parameters or self._model_parameters
@@ -444,8 +515,7 @@ class VLLMSync:
         payload = _without(self.recorder.drain(), {name for name, _ in self._whole})
         self.needs_full = True  # until the engine has confirmed: a failed sync loses the drained updates
         whole = self._tensors_sent_whole() if self._non_targets or self._whole else None
-        encoded = None if payload is None else payload.encode()
-        sent, engine_seconds = self.engine.update(encoded, whole, self.optimizer.update_index)
+        sent, engine_seconds = self.engine.update(payload, whole, self.optimizer.update_index)
         self.needs_full = False
         stats = self._finish("compressed", sent, started, engine_seconds)
         self.compressed_since_check += 1
@@ -552,6 +622,10 @@ def _trainer_checksums(targets, seed: int, dtypes) -> dict[str, dict[str, torch.
         probe = checksum_probe(projection_seed(seed, 0, name), weight.shape[1], device=weight.device)
         sums[name] = {str(dtype): weight_checksum(weight.to(dtype), probe).cpu() for dtype in dtypes}
     return sums
+
+
+def _decoded(payload: SyncPayload | bytes) -> SyncPayload:
+    return payload if isinstance(payload, SyncPayload) else SyncPayload.decode(payload)
 
 
 def _without(payload: SyncPayload | None, names: set[str]) -> SyncPayload | None:
