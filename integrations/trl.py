@@ -153,7 +153,9 @@ def attach_logra(
     trainer's full-weight ``sync_weights`` with :class:`~logra_optim.integrations.vllm.VLLMSync`:
     each sync sends the factors ``(F, seed)`` merged since the last one (the first sends full weights),
     with drift checks; a dict instead gives ``VLLMSync`` options (``check_every``, ``drift_bound``,
-    ``full_every``). ``"full"`` keeps the trainer's own full sync. Logged as ``logra/sync_*``.
+    ``full_every``; in server mode ``transport="nccl"`` sends the tensors over an NCCL group with the
+    server's GPU workers instead of inside the requests). ``"full"`` keeps the trainer's own full
+    sync. Logged as ``logra/sync_*``.
     """
     if not isinstance(trainer, Trainer):
         raise TypeError(

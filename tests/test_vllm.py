@@ -443,6 +443,53 @@ def test_stock_vllm_serve_with_the_logra_backend(policy_path, logra_server):
 
 
 @pytest.mark.slow
+def test_stock_server_takes_update_tensors_over_a_process_group(policy_path, logra_server):
+    """``transport="gloo"`` (the CPU twin of ``"nccl"``): the backend opens a real process group with
+    this trainer, the requests carry the updates' structure and the tensors come over the group in
+    vLLM's packing. A full sync in per-layer requests, compressed syncs (factors of mixed dtypes,
+    trainable norms sent whole), a sparse patch and a refused payload — after which the stream is
+    still in step — each leave the served log-probs equal to the trainer's."""
+    url = logra_server
+    model, optimizer = _trainer(seed=6)
+    for module in model.modules():  # a trainable non-target: sent whole beside the factors
+        if type(module).__name__.endswith("RMSNorm"):
+            module.weight.requires_grad_(True)
+            break
+    sync = VLLMSync(optimizer, url, check_every=3, transport="gloo")
+    sync.engine.chunk_bytes, sync.engine.buffer_bytes = 1, 4096  # many requests, many buffers
+    full = sync.sync()
+    assert full["kind"] == "full" and sync.engine.group is not None
+    assert max_difference(_server_logprobs(url, policy_path), trainer_logprobs(model)) < 1e-4
+    generator = torch.Generator().manual_seed(6)
+    for step in range(1, 5):
+        train_step(model, optimizer, generator)
+        stats = sync.sync()
+        assert stats["kind"] == "compressed" and 0 < stats["bytes"] < full["bytes"] / 4, stats
+        assert max_difference(_server_logprobs(url, policy_path), trainer_logprobs(model)) < 1e-4, step
+        if step == 3:
+            assert stats["drift_within_bound"] == 1.0  # the engine-side check (inside the request) passed
+    served = _server_logprobs(url, policy_path)
+    target = optimizer.targets[0]
+    name, weight = target.parameter_name, target.weight.detach()
+    factor = torch.ones(weight.shape[0], optimizer.rank, dtype=torch.bfloat16)
+    skipped = SyncPayload(
+        optimizer.rank, optimizer.projection, (Update(9, (TargetUpdate(name, 0, weight.shape[1], factor),)),)
+    )
+    with pytest.raises(ServerError, match="engine is at update 4"):  # refused after its factor was received
+        sync.engine.update(skipped, None, 9)
+    assert max_difference(_server_logprobs(url, policy_path), served) == 0.0
+    before = weight.clone()
+    weight.view(-1)[:7] += 0.5  # a lossless patch of seven entries
+    sync.engine.patch({name: sparse_delta(before, weight)})
+    assert max_difference(_server_logprobs(url, policy_path), trainer_logprobs(model)) < 1e-4
+    train_step(model, optimizer, generator)
+    assert sync.sync()["kind"] == "compressed"
+    assert max_difference(_server_logprobs(url, policy_path), trainer_logprobs(model)) < 1e-4
+    with pytest.raises(ValueError, match="transport must be one of request, nccl, gloo"):
+        VLLMServer(url, [], transport="ucx")
+
+
+@pytest.mark.slow
 def test_grpo_in_trl_server_mode_syncs_compressed_and_learns(policy_path, logra_server, tmp_path):
     """TRL's server mode (``vllm_mode="server"``) against the server above, with the same two lines
     as any TRL script: no NCCL group (none exists on a CPU), one full sync, then compressed syncs

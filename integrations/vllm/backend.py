@@ -38,6 +38,7 @@ from logra_optim.sync import SyncPayload
 from . import transport, wire
 from .engine import EngineUpdater
 from .plugin import PROTOCOL
+from .transport import DEFAULT_BUFFER_BYTES
 
 __all__ = ["LoGRAInitInfo", "LoGRAUpdateInfo", "LoGRAWeightTransferEngine"]
 
@@ -58,7 +59,7 @@ class LoGRAInitInfo(WeightTransferInitInfo):
     master_address: str | None = None
     master_port: int | None = None
     world_size: int | None = None
-    buffer_bytes: int = transport.DEFAULT_BUFFER_BYTES
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES
 
 
 @dataclass
@@ -96,7 +97,7 @@ class LoGRAWeightTransferEngine(WeightTransferEngine[LoGRAInitInfo, LoGRAUpdateI
         self.updater = EngineUpdater(lambda: self.model, vllm_config)
         self.initialised = False
         self.group = None
-        self.buffer_bytes = transport.DEFAULT_BUFFER_BYTES
+        self.buffer_bytes = DEFAULT_BUFFER_BYTES
 
     def parse_init_info(self, init_dict: dict) -> LoGRAInitInfo:
         if "protocol" not in init_dict and ("master_address" in init_dict or "nccl_unique_id_b64" in init_dict):
