@@ -80,6 +80,9 @@ class DemoSettings:
     # LoGRA's realised-KL check: measure each update's KL on the probe contexts after the merge and
     # redo it with a rescaled α when it misses the budget by more than 10%.
     realised_kl_check: bool = False
+    # Activation checkpointing for every method, as TRL's GRPOConfig defaults to: the activations of
+    # the training forward are then one layer's, not the whole model's.
+    gradient_checkpointing: bool = True
     # Learning rates; None: the policy's (POLICY_RATES).
     adamw_lr: float | None = None  # dense AdamW and AdamW on the targets
     lora_lr: float | None = None
@@ -174,6 +177,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", type=device, default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument(
+        "--no-gradient-checkpointing",
+        dest="gradient_checkpointing",
+        action="store_false",
+        help="keep every method's activations for backward (default: checkpointing, TRL's GRPO default)",
+    )
+    parser.add_argument(
         "--threads", type=positive_int, default=None, help="torch threads per run (default: torch's choice)"
     )
     parser.add_argument("--output", type=writable_dir, default="logra-demo", help="directory for plots and results")
@@ -212,6 +221,7 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         policy=args.policy or ("tiny" if args.quick else DemoSettings.policy),
         device=args.device,
         threads=args.threads,
+        gradient_checkpointing=args.gradient_checkpointing,
         warm_start_reward=args.warm_start_reward,
         warm_start_lr=args.warm_start_lr,
     )
@@ -414,7 +424,8 @@ def _grpo_config(settings: DemoSettings, method: str, seed: int, device: str):
         bf16=False,
         report_to="none",
         use_vllm=False,
-        gradient_checkpointing=False,
+        gradient_checkpointing=settings.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
