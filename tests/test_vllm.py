@@ -22,6 +22,7 @@ import torch
 
 from logra_optim import LoGRAOptimizer, patch_model, projection_seed
 from logra_optim.integrations.vllm import ServerError, VLLMServer, VLLMSync
+from logra_optim.integrations.vllm.plugin import PROTOCOL
 from logra_optim.sync import (
     PAYLOAD_VERSION,
     PayloadError,
@@ -421,7 +422,7 @@ def test_stock_vllm_serve_with_the_logra_backend(policy_path, logra_server):
         _post(url, "/init_weight_transfer_engine", {"init_info": nccl})
     assert "import logra_optim.integrations.trl before building the trainer" in refused.value.read().decode()
     with pytest.raises(urllib.error.HTTPError) as refused:  # a trainer model that does not map
-        _post(url, "/init_weight_transfer_engine", {"init_info": {"protocol": 1, "targets": ["lm.fc.weight"]}})
+        _post(url, "/init_weight_transfer_engine", {"init_info": {"protocol": PROTOCOL, "targets": ["lm.fc.weight"]}})
     assert "'lm.fc.weight' (the engine's are like model.layers.0" in refused.value.read().decode()
     assert max_difference(_server_logprobs(url, policy_path), served) == 0.0
 
@@ -458,7 +459,8 @@ def test_stock_server_takes_update_tensors_over_a_process_group(policy_path, log
     sync = VLLMSync(optimizer, url, check_every=3, transport="gloo")
     sync.engine.chunk_bytes, sync.engine.buffer_bytes = 1, 4096  # many requests, many buffers
     full = sync.sync()
-    assert full["kind"] == "full" and sync.engine.group is not None
+    assert full["kind"] == "full" and sync.engine.link is not None
+    link = sync.engine.link
     assert max_difference(_server_logprobs(url, policy_path), trainer_logprobs(model)) < 1e-4
     generator = torch.Generator().manual_seed(6)
     for step in range(1, 5):
@@ -478,13 +480,29 @@ def test_stock_server_takes_update_tensors_over_a_process_group(policy_path, log
     with pytest.raises(ServerError, match="engine is at update 4"):  # refused after its factor was received
         sync.engine.update(skipped, None, 9)
     assert max_difference(_server_logprobs(url, policy_path), served) == 0.0
+    assert sync.engine.link is None  # a refusal closes this side; the next session opens a new group
     before = weight.clone()
     weight.view(-1)[:7] += 0.5  # a lossless patch of seven entries
     sync.engine.patch({name: sparse_delta(before, weight)})
+    assert sync.engine.link not in (None, link)
     assert max_difference(_server_logprobs(url, policy_path), trainer_logprobs(model)) < 1e-4
     train_step(model, optimizer, generator)
     assert sync.sync()["kind"] == "compressed"
     assert max_difference(_server_logprobs(url, policy_path), trainer_logprobs(model)) < 1e-4
+
+    # Another client initialises the engine (its group is gone): the next update is refused before
+    # any broadcast — promptly, not after the group's timeout — and the sync after it is a full one.
+    VLLMServer(url, []).initialise()
+    train_step(model, optimizer, generator)
+    started = time.monotonic()
+    with pytest.raises(ServerError, match="none is open"):
+        sync.sync()
+    assert time.monotonic() - started < 30
+    train_step(model, optimizer, generator)
+    assert sync.sync()["kind"] == "full"
+    assert max_difference(_server_logprobs(url, policy_path), trainer_logprobs(model)) < 1e-4
+    sync.close()
+    assert sync.engine.link is None
     with pytest.raises(ValueError, match="transport must be one of request, nccl, gloo"):
         VLLMServer(url, [], transport="ucx")
 

@@ -21,24 +21,24 @@ from logra_optim.sync import SyncPayload, TargetUpdate, Update
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.uint8]
 
 
-class CountingGroup:
-    """A real group end that also counts its broadcasts (one per packed buffer)."""
+class CountingLink:
+    """A real link end that also counts its broadcasts (one per packed buffer)."""
 
-    def __init__(self, group):
-        self.group, self.device, self.broadcasts = group, group.device, 0
+    def __init__(self, link):
+        self.link, self.device, self.broadcasts = link, link.device, 0
 
-    def broadcast(self, tensor, src):
+    def broadcast(self, tensor):
         self.broadcasts += 1
-        self.group.broadcast(tensor, src=src)
+        self.link.broadcast(tensor)
 
 
 @pytest.fixture(scope="module")
 def gloo_pair():
-    """Both ends of one gloo group in this process (rank 0 sends, rank 1 receives)."""
+    """Both ends of one gloo link in this process (rank 0 sends, rank 1 receives)."""
     port, ends = transport.free_port("127.0.0.1"), {}
 
     def open_end(rank):
-        ends[rank] = transport.GlooGroup("127.0.0.1", port, rank, 2, timeout=60)
+        ends[rank] = transport.Link("gloo", "127.0.0.1", port, None, rank, 2, timeout=60)
 
     threads = [threading.Thread(target=open_end, args=(rank,)) for rank in (1, 0)]
     for thread in threads:
@@ -50,7 +50,7 @@ def gloo_pair():
 
 def _transfer(gloo_pair, tensors, buffer_bytes):
     """Send on one thread, receive on this one; returns what arrived and both sides' broadcast counts."""
-    sender, receiver = CountingGroup(gloo_pair[0]), CountingGroup(gloo_pair[1])
+    sender, receiver = CountingLink(gloo_pair[0]), CountingLink(gloo_pair[1])
     meta = transport.describe(tensors)
     failure = []
 
@@ -62,7 +62,7 @@ def _transfer(gloo_pair, tensors, buffer_bytes):
 
     thread = threading.Thread(target=send)
     thread.start()
-    received = transport.receive_tensors(receiver, meta, buffer_bytes)
+    received = transport.receive_tensors(receiver, transport.receive_buffers(meta, buffer_bytes, "cpu"))
     thread.join()
     assert not failure, failure
     return received, sender.broadcasts, receiver.broadcasts
@@ -139,12 +139,23 @@ def test_malformed_structures_and_metadata_are_refused():
         transport.join_tensors({"a": {"__logra_tensor__": 5}}, tensors)
     with pytest.raises(ValueError, match="may not be '__logra_tensor__'"):
         transport.split_tensors({"__logra_tensor__": 1})
-    group = transport.GlooGroup.__new__(transport.GlooGroup)  # never reached: the metadata is refused first
     with pytest.raises(ValueError, match="not a torch dtype"):
-        transport.receive_tensors(group, [["complex_float", [2]]])
+        transport.receive_buffers([["complex_float", [2]]], 64, "cpu")
     with pytest.raises(ValueError, match="negative size"):
-        transport.receive_tensors(group, [["float32", [2, -1]]])
+        transport.receive_buffers([["float32", [2, -1]]], 64, "cpu")
     with pytest.raises(ValueError, match=r"list of \[dtype, shape\]"):
-        transport.receive_tensors(group, [["float32"]])
-    with pytest.raises(ValueError, match="process-group transport is one of nccl, gloo"):
-        transport.open_group("request", "127.0.0.1", 1, 0, 2)
+        transport.receive_buffers([["float32"]], 64, "cpu")
+    with pytest.raises(ValueError, match="transport must be one of nccl, gloo for a process group, got 'request'"):
+        transport.Link("request", "127.0.0.1", 1, None, 0, 2)
+    with pytest.raises(ValueError, match="rank 2 is outside a group of world_size 2"):
+        transport.Link("gloo", "127.0.0.1", 1, None, 2, 2)
+
+
+def test_the_trainer_broadcasts_only_to_ready_workers(gloo_pair):
+    """The readiness handshake: the trainer waits for every worker's mark for this transfer, and gives
+    up (returns False, nothing broadcast) when the request was answered first, i.e. refused."""
+    trainer, worker = gloo_pair
+    assert trainer.wait_ready(7, answered=lambda: True) is False  # nobody marked transfer 7
+    worker.mark_ready(7)
+    assert trainer.wait_ready(7, answered=lambda: False) is True
+    assert trainer.wait_ready(7, answered=lambda: True) is False  # each mark is used once

@@ -50,16 +50,19 @@ class LoGRAInitInfo(WeightTransferInitInfo):
     """``protocol``: the trainer's :data:`.plugin.PROTOCOL`. ``targets``: the checkpoint names it will
     update by factors, checked against the engine's linear layers once, before any update.
     ``transport``: where updates' tensors travel (:mod:`.transport`); for ``"nccl"`` and ``"gloo"``
-    the group's rendezvous (the trainer's TCP store, ``world_size`` = 1 + the engine's workers) and
-    the packing's ``buffer_bytes``."""
+    the packing's ``buffer_bytes`` and the rendezvous: the trainer's TCP store at ``master_address``
+    and ``master_port``, NCCL's own at ``group_port``, ``world_size`` = 1 + the engine's workers.
+    Without the rendezvous, an init only checks (the trainer asks that first, so that a refusal
+    never leaves it waiting for workers that will not come)."""
 
     protocol: int
     targets: list[str] = field(default_factory=list)
     transport: str = "request"
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES
     master_address: str | None = None
     master_port: int | None = None
+    group_port: int | None = None
     world_size: int | None = None
-    buffer_bytes: int = DEFAULT_BUFFER_BYTES
 
 
 @dataclass
@@ -70,11 +73,12 @@ class LoGRAUpdateInfo(WeightTransferUpdateInfo):
     ``drift_bound``), or ``"patch"`` (a lossless sparse delta: changed entries and their indices, the
     baseline of ``benchmarks/bench_sync.py``). ``data``: the tensors, payload, checksums or patches as
     wire text; with a process-group transport, without its tensors, which follow over the group as
-    ``tensors`` (``[dtype, shape]`` each) describes."""
+    ``tensors`` (``[dtype, shape]`` each) describes, as transfer number ``transfer``."""
 
     kind: str
     data: str
     tensors: list | None = None
+    transfer: int = 0
     update_index: int | None = None
     shadow_dtype: str = "float32"
     seed: int = 0
@@ -96,7 +100,7 @@ class LoGRAWeightTransferEngine(WeightTransferEngine[LoGRAInitInfo, LoGRAUpdateI
         super().__init__(config, vllm_config, device, model)
         self.updater = EngineUpdater(lambda: self.model, vllm_config)
         self.initialised = False
-        self.group = None
+        self.link: transport.Link | None = None
         self.buffer_bytes = DEFAULT_BUFFER_BYTES
 
     def parse_init_info(self, init_dict: dict) -> LoGRAInitInfo:
@@ -114,23 +118,29 @@ class LoGRAWeightTransferEngine(WeightTransferEngine[LoGRAInitInfo, LoGRAUpdateI
                 f"LoGRA weight transfer: the trainer speaks protocol {init_info.protocol}, this engine's logra-optim "
                 f"speaks {PROTOCOL}; install the same logra-optim version in the trainer and the vLLM server"
             )
-        if init_info.transport not in transport.TRANSPORTS:
+        kind = init_info.transport
+        if kind not in transport.TRANSPORTS:
             raise ValueError(
-                f"LoGRA weight transfer: transport must be one of {', '.join(transport.TRANSPORTS)}, "
-                f"got {init_info.transport!r}"
+                f"LoGRA weight transfer: transport must be one of {', '.join(transport.TRANSPORTS)}, got {kind!r}"
+            )
+        if not isinstance(init_info.buffer_bytes, int) or init_info.buffer_bytes < 1:
+            raise ValueError(
+                f"LoGRA weight transfer: buffer_bytes must be a positive integer, got {init_info.buffer_bytes!r}"
+            )
+        if kind == "nccl" and self.device.type != "cuda":
+            raise ValueError(
+                f"LoGRA weight transfer: transport 'nccl' needs GPU workers, this one runs on {self.device}"
             )
         self.updater.check_targets(init_info.targets)
+        rendezvous = (init_info.master_address, init_info.master_port, init_info.world_size)
+        if kind != "request" and None in rendezvous:
+            return  # checks only
+        parallel = self.parallel_config
+        rank = 1 + parallel.data_parallel_index * parallel.world_size + parallel.rank
         self.shutdown()
-        if init_info.transport != "request":
-            if None in (init_info.master_address, init_info.master_port, init_info.world_size):
-                raise ValueError(
-                    f"LoGRA weight transfer: transport {init_info.transport!r} needs master_address, master_port "
-                    "and world_size"
-                )
-            parallel = self.parallel_config
-            rank = 1 + parallel.data_parallel_index * parallel.world_size + parallel.rank
-            self.group = transport.open_group(
-                init_info.transport, init_info.master_address, init_info.master_port, rank, init_info.world_size
+        if kind != "request":
+            self.link = transport.Link(
+                kind, init_info.master_address, init_info.master_port, init_info.group_port, rank, init_info.world_size
             )
             self.buffer_bytes = init_info.buffer_bytes
         self.initialised = True
@@ -152,10 +162,14 @@ class LoGRAWeightTransferEngine(WeightTransferEngine[LoGRAInitInfo, LoGRAUpdateI
             raise RuntimeError("LoGRA weight transfer: not initialised; call /init_weight_transfer_engine first")
         kind, data = update_info.kind, update_info.data
         if update_info.tensors is not None:
-            if self.group is None:
-                raise RuntimeError("LoGRA weight transfer: this update's tensors come over a group, but none is open")
-            # Received before anything is checked, so that a refused update still drains the stream.
-            received = transport.receive_tensors(self.group, update_info.tensors, self.buffer_bytes)
+            if self.link is None:
+                raise RuntimeError(
+                    "LoGRA weight transfer: this update's tensors come over a process group, but none is open "
+                    "(the engine was initialised again since); the trainer must initialise it again"
+                )
+            buffers = transport.receive_buffers(update_info.tensors, self.buffer_bytes, self.link.device)
+            self.link.mark_ready(update_info.transfer)  # from here on the trainer broadcasts
+            received = transport.receive_tensors(self.link, buffers)
             data = transport.join_tensors(wire.load(data), received)
             if kind == "apply":
                 data = SyncPayload.from_dict(data)
@@ -176,6 +190,6 @@ class LoGRAWeightTransferEngine(WeightTransferEngine[LoGRAInitInfo, LoGRAUpdateI
 
     def shutdown(self) -> None:
         self.initialised = False
-        if self.group is not None and hasattr(self.group, "destroy"):
-            self.group.destroy()  # vLLM's PyNcclCommunicator
-        self.group = None
+        if self.link is not None:
+            self.link.destroy()
+        self.link = None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 BACKEND = "logra"
 # The meaning of a LoGRA update over the backend; trainer and engine must speak the same one.
-PROTOCOL = 1
+PROTOCOL = 2
 
 
 def register() -> None:

@@ -36,7 +36,7 @@ from logra_optim.sync import (
     weight_checksum,
 )
 
-from . import transport, wire
+from . import wire
 from .engine import (
     DRIFT_MARKER,
     EXTENSION,
@@ -46,7 +46,16 @@ from .engine import (
     drift_exceeded,
 )
 from .plugin import BACKEND, PROTOCOL
-from .transport import DEFAULT_BUFFER_BYTES, TRANSPORTS
+from .transport import (
+    DEFAULT_BUFFER_BYTES,
+    TRANSPORTS,
+    Link,
+    address_towards,
+    describe,
+    free_port,
+    send_tensors,
+    split_tensors,
+)
 
 __all__ = ["ServerError", "VLLMServer", "VLLMSync", "server_backend"]
 
@@ -187,12 +196,16 @@ class VLLMServer:
     ):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+        if transport == "nccl" and not torch.cuda.is_available():
+            raise ValueError("transport='nccl' needs a GPU in the trainer process; use 'gloo' or 'request'")
         if not isinstance(buffer_bytes, int) or buffer_bytes < 1:
             raise ValueError(f"buffer_bytes must be a positive integer, got {buffer_bytes!r}")
         self.url, self.targets, self.timeout, self.chunk_bytes = url.rstrip("/"), targets, timeout, chunk_bytes
         self.transport, self.master_address, self.buffer_bytes = transport, master_address, buffer_bytes
         self.model_dtype: torch.dtype | None = None  # known once initialised
-        self.group = None  # the trainer's end of a process-group transport, once initialised
+        self.link: Link | None = None  # the trainer's end of a process-group transport, once initialised
+        self._agreed_buffer_bytes = buffer_bytes  # what the engine was told, used until the next initialise
+        self._transfers = 0
 
     def _request(self, path: str, body: dict | None = None, method: str = "POST"):
         request = urllib.request.Request(
@@ -251,39 +264,62 @@ class VLLMServer:
                 f"vLLM server {self.url} runs weight-transfer backend {backend!r}, not {BACKEND!r}: LoGRA syncs need "
                 f"logra-optim installed beside the server and {START_SERVER}"
             )
-        init = {"protocol": PROTOCOL, "targets": self.targets}
+        self.close()
+        init = {"protocol": PROTOCOL, "targets": self.targets, "transport": self.transport}
+        init["buffer_bytes"] = self._agreed_buffer_bytes = self.buffer_bytes
+        # Without a rendezvous the engine checks everything else (and, for "request", is ready): a
+        # refusal then never leaves this side waiting for workers that will not join.
         self._request("/init_weight_transfer_engine", {"init_info": init})
         if self.transport != "request":
-            # The request above checked everything else, so that the engine's workers now join the group
-            # (rank 0 here) rather than refuse while this side waits for them.
-            parallel = config["parallel_config"]
-            workers = parallel["tensor_parallel_size"] * parallel["pipeline_parallel_size"]
-            workers *= parallel["data_parallel_size"]
-            host = self.master_address or transport.address_towards(self.url)
-            rendezvous = {"master_address": host, "master_port": transport.free_port(host), "world_size": 1 + workers}
-            init.update(rendezvous, transport=self.transport, buffer_bytes=self.buffer_bytes)
-            with ThreadPoolExecutor(max_workers=1) as pool:
+            workers = _engine_workers(config["parallel_config"], self.url)
+            host = self.master_address or address_towards(self.url)
+            ports = {"master_port": free_port(host), "group_port": free_port(host)}
+            init.update(ports, master_address=host, world_size=1 + workers)
+            pool = ThreadPoolExecutor(max_workers=1)
+            try:
                 answer = pool.submit(self._request, "/init_weight_transfer_engine", {"init_info": init})
-                self.group = transport.open_group(self.transport, host, rendezvous["master_port"], 0, 1 + workers)
+                try:
+                    self.link = Link(self.transport, host, ports["master_port"], ports["group_port"], 0, 1 + workers)
+                except BaseException:
+                    if answer.done():
+                        answer.result()  # the engine's reason first
+                    raise
                 answer.result()
+            finally:
+                pool.shutdown(wait=False)
         self.model_dtype = wire.dtype(config["model_config"]["dtype"])
+
+    def close(self) -> None:
+        """Close this side of a process-group transport (the next update initialises the server again)."""
+        if self.link is not None:
+            self.link.destroy()
+        self.link, self.model_dtype = None, None
 
     def _info(self, kind: str, data, **fields) -> tuple[dict, list[torch.Tensor] | None]:
         """An update's info and, for a process-group transport, the tensors that travel beside it."""
         if self.transport == "request":
             return {"kind": kind, "data": wire.dump(data), **fields}, None
-        skeleton, tensors = transport.split_tensors(data)
-        return {"kind": kind, "data": wire.dump(skeleton), "tensors": transport.describe(tensors), **fields}, tensors
+        skeleton, tensors = split_tensors(data)
+        return {"kind": kind, "data": wire.dump(skeleton), "tensors": describe(tensors), **fields}, tensors
 
     def _send(self, info: dict, tensors: list[torch.Tensor] | None) -> int:
-        """One ``/update_weights``; its tensors are broadcast while the workers receive them inside it."""
+        """One ``/update_weights``; its tensors are broadcast while the workers receive them inside it,
+        once they all said they are ready (an engine that refuses earlier answers instead)."""
         if tensors is None:
             self._request("/update_weights", {"update_info": info})
             return len(info["data"])
-        with ThreadPoolExecutor(max_workers=1) as pool:
+        self._transfers += 1
+        info = {**info, "transfer": self._transfers}
+        pool = ThreadPoolExecutor(max_workers=1)
+        try:
             answer = pool.submit(self._request, "/update_weights", {"update_info": info})
-            sent = transport.send_tensors(self.group, tensors, self.buffer_bytes)
+            if not self.link.wait_ready(self._transfers, answered=answer.done):
+                answer.result()  # the engine's refusal
+                raise RuntimeError(f"vLLM server {self.url}: the update returned before the engine received it")
+            sent = send_tensors(self.link, tensors, self._agreed_buffer_bytes)
             answer.result()
+        finally:
+            pool.shutdown(wait=False)  # never wait for a request whose engine may still be receiving
         return len(info["data"]) + sent
 
     def _session(self, infos: Iterable[tuple[dict, list | None]], version: int | None = None) -> int:
@@ -299,7 +335,7 @@ class VLLMServer:
             for info, tensors in infos:
                 sent += self._send(info, tensors)
         except BaseException as error:
-            self.model_dtype = None
+            self.close()
             if not isinstance(error, ServerError):
                 try:
                     self._request("/finish_weight_update")
@@ -460,6 +496,8 @@ class VLLMSync:
 
     def close(self) -> None:
         self.recorder.close()
+        if isinstance(self.engine, VLLMServer):
+            self.engine.close()
 
     def full_sync(self) -> dict:
         """Send every parameter; the engine is then at the optimizer's current update index."""
@@ -622,6 +660,20 @@ def _trainer_checksums(targets, seed: int, dtypes) -> dict[str, dict[str, torch.
         probe = checksum_probe(projection_seed(seed, 0, name), weight.shape[1], device=weight.device)
         sums[name] = {str(dtype): weight_checksum(weight.to(dtype), probe).cpu() for dtype in dtypes}
     return sums
+
+
+def _engine_workers(parallel: dict, url: str) -> int:
+    """How many workers a server's ``collective_rpc`` reaches (vLLM's ``ParallelConfig``: TP × PP ×
+    prefill-context parallel per data-parallel rank, every DP rank behind one API server)."""
+    if parallel.get("data_parallel_size", 1) > 1 and (
+        parallel.get("data_parallel_external_lb") or parallel.get("data_parallel_hybrid_lb")
+    ):
+        raise ValueError(
+            f"vLLM server {url}: data parallelism with external or hybrid load balancing runs an engine per server; "
+            "sync each server on its own, or use transport='request'"
+        )
+    sizes = ("tensor_parallel_size", "pipeline_parallel_size", "prefill_context_parallel_size", "data_parallel_size")
+    return math.prod(parallel.get(size, 1) for size in sizes)
 
 
 def _decoded(payload: SyncPayload | bytes) -> SyncPayload:

@@ -16,9 +16,11 @@ its own, never torch's default group), and each update becomes:
   tensors of different element sizes leave one at a misaligned offset (a bf16 factor followed by
   an fp32 one; int32 indices beside bf16 values).
 
-The worker receives every tensor before it checks anything, so a refused update still drains the
-stream and the next one starts in step. The request and the broadcast run concurrently: the
-workers receive inside the request, the trainer broadcasts while it waits for the answer.
+The request and the broadcast run concurrently: the workers receive inside the request, the
+trainer broadcasts while it waits for the answer. It broadcasts only once every worker has said,
+through the trainer's TCP store, that it checked the update's metadata and allocated its receive
+buffers (:meth:`Link.wait_ready`); an engine that refuses before that answers the request, and the
+trainer raises its error instead of broadcasting to nobody (which would hang on NCCL).
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ from __future__ import annotations
 import datetime
 import math
 import socket
+import time
 import urllib.parse
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -36,7 +39,19 @@ import torch.distributed as dist
 
 from . import wire
 
-__all__ = ["TRANSPORTS", "GlooGroup", "join_tensors", "open_group", "receive_tensors", "send_tensors", "split_tensors"]
+__all__ = [
+    "DEFAULT_BUFFER_BYTES",
+    "TRANSPORTS",
+    "Link",
+    "address_towards",
+    "describe",
+    "free_port",
+    "join_tensors",
+    "receive_buffers",
+    "receive_tensors",
+    "send_tensors",
+    "split_tensors",
+]
 
 TRANSPORTS = ("request", "nccl", "gloo")
 DEFAULT_BUFFER_BYTES = 256 * 2**20
@@ -56,7 +71,7 @@ def split_tensors(obj: Any) -> tuple[Any, list[torch.Tensor]]:
             if _PLACEHOLDER in value:
                 raise ValueError(f"split_tensors: a dict key may not be {_PLACEHOLDER!r}")
             return {key: visit(item) for key, item in value.items()}
-        if isinstance(value, (list, tuple)):
+        if type(value) in (list, tuple):
             return type(value)(visit(item) for item in value)
         return value
 
@@ -76,7 +91,7 @@ def join_tensors(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
                 used[index] = True
                 return tensors[index]
             return {key: visit(item) for key, item in value.items()}
-        if isinstance(value, (list, tuple)):
+        if type(value) in (list, tuple):
             return type(value)(visit(item) for item in value)
         return value
 
@@ -102,11 +117,11 @@ def _parse(meta: list) -> list[tuple[torch.dtype, list[int]]]:
     return parsed
 
 
-def send_tensors(group, tensors: list[torch.Tensor], buffer_bytes: int = DEFAULT_BUFFER_BYTES) -> int:
+def send_tensors(link: Link, tensors: list[torch.Tensor], buffer_bytes: int) -> int:
     """Broadcast ``tensors`` from rank 0 in vLLM's packing; returns the bytes sent."""
     from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
 
-    items = ((str(i), t.detach().to(group.device)) for i, t in enumerate(tensors))
+    items = ((str(i), t.detach().to(link.device)) for i, t in enumerate(tensors))
     sent = 0
     while True:
         with warnings.catch_warnings():
@@ -114,80 +129,121 @@ def send_tensors(group, tensors: list[torch.Tensor], buffer_bytes: int = DEFAULT
             chunk = pack_tensors(items, lambda item: item[1], buffer_bytes)
         if chunk is None:
             break
-        group.broadcast(chunk.packed_tensor, src=0)
+        link.broadcast(chunk.packed_tensor)
         sent += chunk.packed_tensor.numel()
-    if group.device.type == "cuda":  # NCCL reads the buffers asynchronously
-        torch.cuda.current_stream(group.device).synchronize()
+    if link.device.type == "cuda":  # NCCL reads the buffers asynchronously
+        torch.cuda.current_stream(link.device).synchronize()
     return sent
 
 
-def receive_tensors(group, meta: list, buffer_bytes: int = DEFAULT_BUFFER_BYTES) -> list[torch.Tensor]:
-    """The tensors :func:`send_tensors` broadcast, from their ``[dtype, shape]`` (:func:`describe`):
-    the buffers are cut where the sender's ``pack_tensors`` cuts them (after the tensor that takes
-    a buffer past ``buffer_bytes``)."""
-    received: list[torch.Tensor] = []
-    chunk: list[tuple[torch.dtype, list[int], int]] = []
-
-    def flush():
-        packed = torch.empty(sum(size for *_, size in chunk), dtype=torch.uint8, device=group.device)
-        group.broadcast(packed, src=0)
-        for (dtype, shape, _), piece in zip(chunk, packed.split([size for *_, size in chunk])):
-            aligned = piece if piece.storage_offset() % dtype.itemsize == 0 else piece.clone()
-            received.append(aligned.view(dtype).view(shape))
-        chunk.clear()
-
-    total = 0
+def receive_buffers(meta: list, buffer_bytes: int, device) -> list[tuple[torch.Tensor, list]]:
+    """Empty receive buffers for the tensors ``meta`` describes (:func:`describe`), each with its
+    tensors' ``(dtype, shape, bytes)``: cut where the sender's ``pack_tensors`` cuts (after the
+    tensor that takes a buffer past ``buffer_bytes``). Allocated before the engine says it is ready,
+    so that running out of memory refuses the update instead of stalling the sender."""
+    buffers, chunk, total = [], [], 0
     for dtype, shape in _parse(meta):
         size = math.prod(shape) * dtype.itemsize
         chunk.append((dtype, shape, size))
         total += size
         if total > buffer_bytes:
-            flush()
-            total = 0
+            buffers.append((torch.empty(total, dtype=torch.uint8, device=device), chunk))
+            chunk, total = [], 0
     if chunk:
-        flush()
+        buffers.append((torch.empty(total, dtype=torch.uint8, device=device), chunk))
+    return buffers
+
+
+def receive_tensors(link: Link, buffers: list[tuple[torch.Tensor, list]]) -> list[torch.Tensor]:
+    """Receive into :func:`receive_buffers`' buffers; the tensors, in order. A tensor left at an
+    offset its element size does not divide is copied out (vLLM's own ``unpack_tensor`` fails there)."""
+    received = []
+    for packed, chunk in buffers:
+        link.broadcast(packed)
+        for (dtype, shape, _), piece in zip(chunk, packed.split([size for *_, size in chunk])):
+            aligned = piece if piece.storage_offset() % dtype.itemsize == 0 else piece.clone()
+            received.append(aligned.view(dtype).view(shape))
     return received
 
 
-class GlooGroup:
-    """A gloo process group of the trainer (rank 0) and the engine's workers, on a TCP store of its
-    own: not torch's default group, which vLLM's workers keep for themselves. ``broadcast`` has the
-    signature of vLLM's ``PyNcclCommunicator.broadcast``."""
+class Link:
+    """The trainer's (rank 0) or a worker's (``1 +`` its global rank) end of a process-group
+    transport: a TCP store the trainer hosts at ``port``, for the readiness handshake (and gloo's
+    rendezvous), and the group the tensors are broadcast over: ``"gloo"``, a torch gloo group on
+    that store, not torch's default group (vLLM's workers keep that for themselves); ``"nccl"``,
+    vLLM's ``PyNcclCommunicator`` on the current GPU over its own rendezvous at ``group_port``, as
+    vLLM's ``nccl`` engine opens it (the trainer and the workers on different GPUs)."""
 
-    device = torch.device("cpu")
-
-    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout: float = 300.0):
+    def __init__(
+        self, kind: str, host: str, port: int, group_port: int, rank: int, world_size: int, timeout: float = 300.0
+    ):
+        if kind not in TRANSPORTS[1:]:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS[1:])} for a process group, got {kind!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"LoGRA transport: rank {rank} is outside a group of world_size {world_size}")
         limit = datetime.timedelta(seconds=timeout)
+        self.kind, self.rank, self.world_size = kind, rank, world_size
         self.store = dist.TCPStore(host, port, world_size, rank == 0, timeout=limit)
-        self.group = dist.ProcessGroupGloo(dist.PrefixStore("logra", self.store), rank, world_size, limit)
-
-    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        options = dist.BroadcastOptions()
-        options.rootRank, options.rootTensor = src, 0
-        self.group.broadcast([tensor], options).wait()
-
-
-def open_group(transport: str, host: str, port: int, rank: int, world_size: int):
-    """The trainer's (rank 0) or a worker's end of the group for ``transport`` (``"nccl"``: vLLM's
-    ``PyNcclCommunicator`` on this process's current GPU, as its ``nccl`` engine opens it)."""
-    if transport == "gloo":
-        return GlooGroup(host, port, rank, world_size)
-    if transport == "nccl":
+        if kind == "gloo":
+            self.group = dist.ProcessGroupGloo(dist.PrefixStore("group", self.store), rank, world_size, limit)
+            self.device = torch.device("cpu")
+            return
         from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
 
-        return stateless_init_process_group(host, port, rank, world_size, torch.accelerator.current_device_index())
-    raise ValueError(f"a process-group transport is one of {', '.join(TRANSPORTS[1:])}, got {transport!r}")
+        self.group = stateless_init_process_group(
+            host, group_port, rank, world_size, torch.accelerator.current_device_index()
+        )
+        if getattr(self.group, "disabled", False):  # vLLM's communicator then broadcasts nothing
+            raise RuntimeError(
+                "LoGRA transport: vLLM's NCCL communicator is disabled in this process (VLLM_DISABLE_PYNCCL, or no "
+                "libnccl); use transport='gloo' or 'request'"
+            )
+        self.device = self.group.device
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        """From rank 0 to every rank, in place."""
+        if self.kind == "gloo":
+            options = dist.BroadcastOptions()
+            options.rootRank, options.rootTensor = 0, 0
+            self.group.broadcast([tensor], options).wait()
+        else:
+            with torch.cuda.device(self.device):
+                self.group.broadcast(tensor, src=0)
+
+    def mark_ready(self, transfer: int) -> None:
+        """A worker: its buffers for ``transfer`` are allocated, it enters the broadcasts now."""
+        self.store.set(f"ready/{transfer}/{self.rank}", "1")
+
+    def wait_ready(self, transfer: int, answered: Callable[[], bool]) -> bool:
+        """The trainer: wait until every worker is ready for ``transfer`` (then ``True``), or until
+        ``answered()`` says the request returned first (``False``: the engine refused the update
+        before receiving, and nothing may be broadcast)."""
+        keys = [f"ready/{transfer}/{rank}" for rank in range(1, self.world_size)]
+        while not self.store.check(keys):
+            if answered():
+                return False
+            time.sleep(0.002)
+        for key in keys:
+            self.store.delete_key(key)
+        return True
+
+    def destroy(self) -> None:
+        if self.kind == "nccl" and self.group is not None:
+            self.group.destroy()
+        self.group = None
 
 
 def address_towards(url: str) -> str:
     """This machine's address on the route to ``url``'s host: where the server's workers can reach
     the trainer's end of the group."""
     parsed = urllib.parse.urlsplit(url)
-    with socket.create_connection((parsed.hostname, parsed.port or 80), timeout=30) as connection:
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    with socket.create_connection((parsed.hostname, port), timeout=30) as connection:
         return connection.getsockname()[0]
 
 
 def free_port(host: str) -> int:
+    """A port nobody listens on at ``host`` now."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
