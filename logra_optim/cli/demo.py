@@ -37,7 +37,7 @@ import torch
 
 from . import tasks
 from .arguments import choice_list, device, int_list, model_dir, positive_float, positive_int, writable_dir
-from .measure import MIB, memory_baseline, peak_memory, ratio, resolve_device, synchronize
+from .measure import MIB, faster_probe_dtype, memory_baseline, peak_memory, ratio, resolve_device, synchronize
 from .runner import run_fresh
 
 # LoGRA and the three ways to train the same model it is measured against: dense AdamW on every
@@ -71,9 +71,10 @@ class DemoSettings:
     # the batch, so that the probe costs less than the backward work LoGRA saves.
     probe_samples: int = 8
     # The probe's dual forward in bf16 (its products, as a bf16 training forward's; the KL math stays
-    # float64): about a third less probe time, prediction within a percent (docs/benchmarks.md).
-    # None: the weights' precision (fp32).
-    probe_dtype: str | None = "bfloat16"
+    # float64): about a third less probe time where bf16 products are fast, prediction within a
+    # percent (docs/benchmarks.md). "auto": bf16 where a bf16 product of the probe's shape measures
+    # faster than an fp32 one (GPUs; CPUs with bf16 instructions), else fp32; None: fp32.
+    probe_dtype: str | None = "auto"
     # LoGRA's first moment in sketch space and how many updates keep one projection (docs/method.md §2).
     beta1: float = 0.9
     refresh_every: int = 10
@@ -488,6 +489,11 @@ def run_worker(spec: dict) -> dict:
         processing_class=tokenizer,
         callbacks=[progress_callback(settings.steps), evaluations, meter],
     )
+    probe_dtype = settings.probe_dtype
+    if method == "logra" and probe_dtype == "auto":
+        # The probe's products: a few short sequences (about 64 tokens) through the MLP's widest matrix.
+        config = model.config
+        probe_dtype = faster_probe_dtype(device, 64, config.hidden_size, config.intermediate_size)
     if method == "logra":
         from logra_optim.integrations.trl import attach_logra  # imports transformers
 
@@ -499,7 +505,7 @@ def run_worker(spec: dict) -> dict:
             probe_samples=settings.probe_samples,
             beta1=settings.beta1,
             refresh_every=settings.refresh_every,
-            probe_dtype=None if settings.probe_dtype is None else getattr(torch, settings.probe_dtype),
+            probe_dtype=None if probe_dtype is None else getattr(torch, probe_dtype),
             realised_kl_check=settings.realised_kl_check,
         )
     started = time.perf_counter()
@@ -524,6 +530,7 @@ def run_worker(spec: dict) -> dict:
         "seconds_per_update": seconds / settings.steps,
         "peak_bytes": peak_memory(device) - baseline,
         "device": device,
+        "probe_dtype": probe_dtype if method == "logra" else None,
         # What the optimizer updates (LoGRA's targets take no .grad, so requires_grad undercounts them).
         "trained_params": sum(p.numel() for group in trainer.optimizer.param_groups for p in group["params"]),
     }

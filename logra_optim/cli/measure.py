@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import resource
 import sys
+import time
 
 import torch
 
@@ -30,6 +31,24 @@ def resolve_device(device: str) -> str:
     if device != "cpu" and not device.startswith("cuda"):
         raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {device!r}")
     return device
+
+
+def faster_probe_dtype(device: str, rows: int, width: int, out: int) -> str | None:
+    """``"bfloat16"`` where a bf16 matrix product of the probe's shape (``rows × width`` by ``width ×
+    out``) is faster than an fp32 one on ``device``, else ``None`` (the weights' fp32). CUDA GPUs
+    compute bf16 natively; CPUs do only with bf16 instructions (AVX512-BF16, AMX), and without them
+    a bf16 product can take several times an fp32 one, so there it is measured (a few ms)."""
+    if device.startswith("cuda"):
+        return "bfloat16"
+    timings = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w = torch.randn(rows, width, dtype=dtype), torch.randn(out, width, dtype=dtype)
+        x @ w.T  # warm-up
+        started = time.perf_counter()
+        for _ in range(5):
+            x @ w.T
+        timings[dtype] = time.perf_counter() - started
+    return "bfloat16" if timings[torch.bfloat16] < 0.9 * timings[torch.float32] else None
 
 
 def peak_rss_bytes() -> int:
