@@ -80,7 +80,7 @@ def tensor_lists(draw):
     return tensors
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(tensors=tensor_lists(), buffer_bytes=st.integers(1, 400))
 def test_packed_broadcast_delivers_every_tensor_bit_for_bit(gloo_pair, tensors, buffer_bytes):
     """Any dtypes and shapes (scalars, empty tensors), any buffer size: the receiver cuts the
