@@ -35,17 +35,7 @@ class CountingLink:
 @pytest.fixture(scope="module")
 def gloo_pair():
     """Both ends of one gloo link in this process (rank 0 sends, rank 1 receives)."""
-    port, ends = transport.free_port("127.0.0.1"), {}
-
-    def open_end(rank):
-        ends[rank] = transport.Link("gloo", "127.0.0.1", port, None, rank, 2, timeout=60)
-
-    threads = [threading.Thread(target=open_end, args=(rank,)) for rank in (1, 0)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return ends[0], ends[1]
+    return tuple(_links(2))
 
 
 def _transfer(gloo_pair, tensors, buffer_bytes):
@@ -151,11 +141,54 @@ def test_malformed_structures_and_metadata_are_refused():
         transport.Link("gloo", "127.0.0.1", 1, None, 2, 2)
 
 
-def test_the_trainer_broadcasts_only_to_ready_workers(gloo_pair):
-    """The readiness handshake: the trainer waits for every worker's mark for this transfer, and gives
-    up (returns False, nothing broadcast) when the request was answered first, i.e. refused."""
-    trainer, worker = gloo_pair
-    assert trainer.wait_ready(7, answered=lambda: True) is False  # nobody marked transfer 7
-    worker.mark_ready(7)
-    assert trainer.wait_ready(7, answered=lambda: False) is True
-    assert trainer.wait_ready(7, answered=lambda: True) is False  # each mark is used once
+def _links(world_size: int) -> list:
+    """Every end of one gloo link of ``world_size`` ranks, opened concurrently in this process."""
+    port, group_port = transport.free_ports("127.0.0.1", 2)
+    ends = {}
+
+    def open_end(rank):
+        ends[rank] = transport.Link("gloo", "127.0.0.1", port, group_port, rank, world_size, timeout=60)
+
+    threads = [threading.Thread(target=open_end, args=(rank,)) for rank in reversed(range(world_size))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return [ends[rank] for rank in range(world_size)]
+
+
+def test_the_trainer_broadcasts_only_when_every_worker_is_ready():
+    """The handshake of a transfer over a real three-rank link: go only when both workers are
+    ready; a worker that refuses, or a request answered first, makes it abort, and a worker that
+    was already waiting learns of it instead of entering a broadcast nobody sends."""
+    trainer, first, second = _links(3)
+    outcome = {}
+
+    def ready(worker, transfer):
+        try:
+            worker.mark_ready(transfer)
+            outcome[worker.rank] = "go"
+        except RuntimeError as error:
+            outcome[worker.rank] = str(error)
+
+    threads = [threading.Thread(target=ready, args=(worker, 1)) for worker in (first, second)]
+    for thread in threads:
+        thread.start()
+    assert trainer.wait_ready(1, answered=lambda: False) is True
+    for thread in threads:
+        thread.join()
+    assert outcome == {1: "go", 2: "go"}
+
+    waiting = threading.Thread(target=ready, args=(first, 2))
+    waiting.start()
+    second.refuse(2)
+    assert trainer.wait_ready(2, answered=lambda: False) is False
+    waiting.join()
+    assert "transfer 2 aborted (another worker refused it)" in outcome[1]
+
+    assert trainer.wait_ready(3, answered=lambda: True) is False  # the engine answered: refused before receiving
+    with pytest.raises(transport.LinkAbandoned, match="answered before its workers joined"):
+        port, group_port = transport.free_ports("127.0.0.1", 2)
+        transport.Link("gloo", "127.0.0.1", port, group_port, 0, 2, answered=lambda: True)
+    for end in (trainer, first, second):
+        end.destroy()

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import vllm.envs as envs
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -63,6 +64,7 @@ class LoGRAInitInfo(WeightTransferInitInfo):
     master_port: int | None = None
     group_port: int | None = None
     world_size: int | None = None
+    link: str | None = None
 
 
 @dataclass
@@ -73,12 +75,14 @@ class LoGRAUpdateInfo(WeightTransferUpdateInfo):
     ``drift_bound``), or ``"patch"`` (a lossless sparse delta: changed entries and their indices, the
     baseline of ``benchmarks/bench_sync.py``). ``data``: the tensors, payload, checksums or patches as
     wire text; with a process-group transport, without its tensors, which follow over the group as
-    ``tensors`` (``[dtype, shape]`` each) describes, as transfer number ``transfer``."""
+    ``tensors`` (``[dtype, shape]`` each) describes, as transfer number ``transfer`` of the group
+    the trainer opened under the token ``link``."""
 
     kind: str
     data: str
     tensors: list | None = None
     transfer: int = 0
+    link: str | None = None
     update_index: int | None = None
     shadow_dtype: str = "float32"
     seed: int = 0
@@ -101,6 +105,7 @@ class LoGRAWeightTransferEngine(WeightTransferEngine[LoGRAInitInfo, LoGRAUpdateI
         self.updater = EngineUpdater(lambda: self.model, vllm_config)
         self.initialised = False
         self.link: transport.Link | None = None
+        self.link_token: str | None = None
         self.buffer_bytes = DEFAULT_BUFFER_BYTES
 
     def parse_init_info(self, init_dict: dict) -> LoGRAInitInfo:
@@ -131,6 +136,10 @@ class LoGRAWeightTransferEngine(WeightTransferEngine[LoGRAInitInfo, LoGRAUpdateI
             raise ValueError(
                 f"LoGRA weight transfer: transport 'nccl' needs GPU workers, this one runs on {self.device}"
             )
+        if kind == "nccl" and envs.VLLM_DISABLE_PYNCCL:
+            raise ValueError(
+                "LoGRA weight transfer: transport 'nccl' needs vLLM's NCCL, off here (VLLM_DISABLE_PYNCCL)"
+            )
         self.updater.check_targets(init_info.targets)
         rendezvous = (init_info.master_address, init_info.master_port, init_info.world_size)
         if kind != "request" and None in rendezvous:
@@ -142,7 +151,7 @@ class LoGRAWeightTransferEngine(WeightTransferEngine[LoGRAInitInfo, LoGRAUpdateI
             self.link = transport.Link(
                 kind, init_info.master_address, init_info.master_port, init_info.group_port, rank, init_info.world_size
             )
-            self.buffer_bytes = init_info.buffer_bytes
+            self.buffer_bytes, self.link_token = init_info.buffer_bytes, init_info.link
         self.initialised = True
 
     def start_weight_update(self) -> None:
@@ -167,8 +176,19 @@ class LoGRAWeightTransferEngine(WeightTransferEngine[LoGRAInitInfo, LoGRAUpdateI
                     "LoGRA weight transfer: this update's tensors come over a process group, but none is open "
                     "(the engine was initialised again since); the trainer must initialise it again"
                 )
-            buffers = transport.receive_buffers(update_info.tensors, self.buffer_bytes, self.link.device)
-            self.link.mark_ready(update_info.transfer)  # from here on the trainer broadcasts
+            if update_info.link != self.link_token:
+                raise RuntimeError(
+                    "LoGRA weight transfer: this update was sent over another trainer's group (the engine was "
+                    "initialised again since); that trainer must initialise it again"
+                )
+            if kind not in ("full", "load", "apply", "patch"):
+                raise ValueError(f"LoGRA weight transfer: a {kind!r} update carries no tensors over the group")
+            try:
+                buffers = transport.receive_buffers(update_info.tensors, self.buffer_bytes, self.link.device)
+            except BaseException:
+                self.link.refuse(update_info.transfer)
+                raise
+            self.link.mark_ready(update_info.transfer)  # returns when the trainer says go
             received = transport.receive_tensors(self.link, buffers)
             data = transport.join_tensors(wire.load(data), received)
             if kind == "apply":
@@ -192,4 +212,4 @@ class LoGRAWeightTransferEngine(WeightTransferEngine[LoGRAInitInfo, LoGRAUpdateI
         self.initialised = False
         if self.link is not None:
             self.link.destroy()
-        self.link = None
+        self.link, self.link_token = None, None

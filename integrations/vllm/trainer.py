@@ -15,12 +15,14 @@ from __future__ import annotations
 import json
 import math
 import re
+import secrets
+import threading
 import time
 import urllib.error
 import urllib.request
 import warnings
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -50,9 +52,10 @@ from .transport import (
     DEFAULT_BUFFER_BYTES,
     TRANSPORTS,
     Link,
+    LinkAbandoned,
     address_towards,
     describe,
-    free_port,
+    free_ports,
     send_tensors,
     split_tensors,
 )
@@ -205,7 +208,7 @@ class VLLMServer:
         self.model_dtype: torch.dtype | None = None  # known once initialised
         self.link: Link | None = None  # the trainer's end of a process-group transport, once initialised
         self._agreed_buffer_bytes = buffer_bytes  # what the engine was told, used until the next initialise
-        self._transfers = 0
+        self._transfers, self._link_token = 0, None
 
     def _request(self, path: str, body: dict | None = None, method: str = "POST"):
         request = urllib.request.Request(
@@ -264,7 +267,7 @@ class VLLMServer:
                 f"vLLM server {self.url} runs weight-transfer backend {backend!r}, not {BACKEND!r}: LoGRA syncs need "
                 f"logra-optim installed beside the server and {START_SERVER}"
             )
-        self.close()
+        self._drop_link()
         init = {"protocol": PROTOCOL, "targets": self.targets, "transport": self.transport}
         init["buffer_bytes"] = self._agreed_buffer_bytes = self.buffer_bytes
         # Without a rendezvous the engine checks everything else (and, for "request", is ready): a
@@ -273,27 +276,34 @@ class VLLMServer:
         if self.transport != "request":
             workers = _engine_workers(config["parallel_config"], self.url)
             host = self.master_address or address_towards(self.url)
-            ports = {"master_port": free_port(host), "group_port": free_port(host)}
-            init.update(ports, master_address=host, world_size=1 + workers)
-            pool = ThreadPoolExecutor(max_workers=1)
+            port, group_port = free_ports(host, 2)
+            token = secrets.token_hex(8)  # names this group in every update: a stale trainer is refused
+            init.update(master_address=host, master_port=port, group_port=group_port, world_size=1 + workers)
+            init["link"] = token
+            answer = _in_background(self._request, "/init_weight_transfer_engine", {"init_info": init})
             try:
-                answer = pool.submit(self._request, "/init_weight_transfer_engine", {"init_info": init})
-                try:
-                    self.link = Link(self.transport, host, ports["master_port"], ports["group_port"], 0, 1 + workers)
-                except BaseException:
-                    if answer.done():
-                        answer.result()  # the engine's reason first
-                    raise
-                answer.result()
-            finally:
-                pool.shutdown(wait=False)
+                self.link = Link(self.transport, host, port, group_port, 0, 1 + workers, answered=answer.done)
+            except LinkAbandoned:
+                answer.result()  # the engine's reason
+                raise
+            answer.result()
+            self._link_token = token
         self.model_dtype = wire.dtype(config["model_config"]["dtype"])
 
-    def close(self) -> None:
-        """Close this side of a process-group transport (the next update initialises the server again)."""
+    def _drop_link(self) -> None:
         if self.link is not None:
             self.link.destroy()
         self.link, self.model_dtype = None, None
+
+    def close(self) -> None:
+        """Close a process-group transport on both sides (the next update initialises the server again)."""
+        had_link = self.link is not None
+        self._drop_link()
+        if had_link:
+            try:
+                self._request("/shutdown_weight_transfer_engine")
+            except (RuntimeError, OSError):
+                pass  # the server is gone, or in an update session: it closes the group at the next init
 
     def _info(self, kind: str, data, **fields) -> tuple[dict, list[torch.Tensor] | None]:
         """An update's info and, for a process-group transport, the tensors that travel beside it."""
@@ -309,17 +319,13 @@ class VLLMServer:
             self._request("/update_weights", {"update_info": info})
             return len(info["data"])
         self._transfers += 1
-        info = {**info, "transfer": self._transfers}
-        pool = ThreadPoolExecutor(max_workers=1)
-        try:
-            answer = pool.submit(self._request, "/update_weights", {"update_info": info})
-            if not self.link.wait_ready(self._transfers, answered=answer.done):
-                answer.result()  # the engine's refusal
-                raise RuntimeError(f"vLLM server {self.url}: the update returned before the engine received it")
-            sent = send_tensors(self.link, tensors, self._agreed_buffer_bytes)
-            answer.result()
-        finally:
-            pool.shutdown(wait=False)  # never wait for a request whose engine may still be receiving
+        info = {**info, "transfer": self._transfers, "link": self._link_token}
+        answer = _in_background(self._request, "/update_weights", {"update_info": info})
+        if not self.link.wait_ready(self._transfers, answered=answer.done):
+            answer.result()  # the engine's refusal
+            raise RuntimeError(f"vLLM server {self.url}: a worker refused the update's tensors")
+        sent = send_tensors(self.link, tensors, self._agreed_buffer_bytes)
+        answer.result()
         return len(info["data"]) + sent
 
     def _session(self, infos: Iterable[tuple[dict, list | None]], version: int | None = None) -> int:
@@ -335,7 +341,7 @@ class VLLMServer:
             for info, tensors in infos:
                 sent += self._send(info, tensors)
         except BaseException as error:
-            self.close()
+            self._drop_link()
             if not isinstance(error, ServerError):
                 try:
                     self._request("/finish_weight_update")
@@ -660,6 +666,21 @@ def _trainer_checksums(targets, seed: int, dtypes) -> dict[str, dict[str, torch.
         probe = checksum_probe(projection_seed(seed, 0, name), weight.shape[1], device=weight.device)
         sums[name] = {str(dtype): weight_checksum(weight.to(dtype), probe).cpu() for dtype in dtypes}
     return sums
+
+
+def _in_background(function: Callable, *args) -> Future:
+    """``function(*args)`` on a daemon thread: a request left waiting on a stuck server must not
+    keep the trainer's process from exiting."""
+    future: Future = Future()
+
+    def run():
+        try:
+            future.set_result(function(*args))
+        except BaseException as error:
+            future.set_exception(error)
+
+    threading.Thread(target=run, daemon=True).start()
+    return future
 
 
 def _engine_workers(parallel: dict, url: str) -> int:

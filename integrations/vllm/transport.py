@@ -19,8 +19,9 @@ its own, never torch's default group), and each update becomes:
 The request and the broadcast run concurrently: the workers receive inside the request, the
 trainer broadcasts while it waits for the answer. It broadcasts only once every worker has said,
 through the trainer's TCP store, that it checked the update's metadata and allocated its receive
-buffers (:meth:`Link.wait_ready`); an engine that refuses before that answers the request, and the
-trainer raises its error instead of broadcasting to nobody (which would hang on NCCL).
+buffers, and the workers enter the broadcasts only once the trainer has said go
+(:meth:`Link.wait_ready`); an engine that refuses before that answers the request, and the trainer
+raises its error instead of broadcasting to nobody (which would hang on NCCL).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ __all__ = [
     "Link",
     "address_towards",
     "describe",
-    "free_port",
+    "LinkAbandoned",
+    "free_ports",
     "join_tensors",
     "receive_buffers",
     "receive_tensors",
@@ -166,24 +168,45 @@ def receive_tensors(link: Link, buffers: list[tuple[torch.Tensor, list]]) -> lis
     return received
 
 
+class LinkAbandoned(RuntimeError):
+    """The engine answered (refused) while the trainer waited for its workers to join."""
+
+
 class Link:
     """The trainer's (rank 0) or a worker's (``1 +`` its global rank) end of a process-group
-    transport: a TCP store the trainer hosts at ``port``, for the readiness handshake (and gloo's
-    rendezvous), and the group the tensors are broadcast over: ``"gloo"``, a torch gloo group on
-    that store, not torch's default group (vLLM's workers keep that for themselves); ``"nccl"``,
-    vLLM's ``PyNcclCommunicator`` on the current GPU over its own rendezvous at ``group_port``, as
-    vLLM's ``nccl`` engine opens it (the trainer and the workers on different GPUs)."""
+    transport: a TCP store the trainer hosts at ``port``, for the rendezvous and the per-transfer
+    handshake, and the group the tensors are broadcast over: ``"gloo"``, a torch gloo group on that
+    store, not torch's default group (vLLM's workers keep that for themselves); ``"nccl"``, vLLM's
+    ``PyNcclCommunicator`` on the current GPU over its own rendezvous at ``group_port``, as vLLM's
+    ``nccl`` engine opens it (the trainer and the workers on different GPUs).
+
+    The trainer's end waits for every worker to join the store before it enters the group, giving
+    up (:class:`LinkAbandoned`) when ``answered()`` says the engine's init request returned first."""
 
     def __init__(
-        self, kind: str, host: str, port: int, group_port: int, rank: int, world_size: int, timeout: float = 300.0
+        self,
+        kind: str,
+        host: str,
+        port: int,
+        group_port: int | None,
+        rank: int,
+        world_size: int,
+        timeout: float = 300.0,
+        answered: Callable[[], bool] = lambda: False,
     ):
         if kind not in TRANSPORTS[1:]:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS[1:])} for a process group, got {kind!r}")
         if not 0 <= rank < world_size:
             raise ValueError(f"LoGRA transport: rank {rank} is outside a group of world_size {world_size}")
         limit = datetime.timedelta(seconds=timeout)
-        self.kind, self.rank, self.world_size = kind, rank, world_size
-        self.store = dist.TCPStore(host, port, world_size, rank == 0, timeout=limit)
+        self.kind, self.rank, self.world_size, self.group = kind, rank, world_size, None
+        self.store = dist.TCPStore(host, port, world_size, rank == 0, timeout=limit, wait_for_workers=False)
+        if rank == 0:
+            joined = [f"joined/{worker}" for worker in range(1, world_size)]
+            if not _wait_for(lambda: self.store.check(joined), answered):
+                raise LinkAbandoned("LoGRA transport: the engine answered before its workers joined")
+        else:
+            self.store.set(f"joined/{rank}", "1")
         if kind == "gloo":
             self.group = dist.ProcessGroupGloo(dist.PrefixStore("group", self.store), rank, world_size, limit)
             self.device = torch.device("cpu")
@@ -210,27 +233,47 @@ class Link:
             with torch.cuda.device(self.device):
                 self.group.broadcast(tensor, src=0)
 
+    # The handshake of one transfer: each worker says "ready" (its buffers are allocated) or
+    # "refused"; the trainer then decides "go" (everyone is ready) or "abort", which every worker
+    # waits for before entering the broadcasts, so that no rank broadcasts while another left.
+
     def mark_ready(self, transfer: int) -> None:
-        """A worker: its buffers for ``transfer`` are allocated, it enters the broadcasts now."""
+        """A worker, once its buffers for ``transfer`` are allocated; returns when the trainer says go
+        and raises when it aborted (another worker refused)."""
         self.store.set(f"ready/{transfer}/{self.rank}", "1")
+        if self.store.get(f"decision/{transfer}") != b"go":
+            raise RuntimeError(f"LoGRA transport: transfer {transfer} aborted (another worker refused it)")
+
+    def refuse(self, transfer: int) -> None:
+        """A worker that cannot receive ``transfer`` (its own error follows in the request's answer)."""
+        self.store.set(f"refused/{transfer}/{self.rank}", "1")
 
     def wait_ready(self, transfer: int, answered: Callable[[], bool]) -> bool:
-        """The trainer: wait until every worker is ready for ``transfer`` (then ``True``), or until
-        ``answered()`` says the request returned first (``False``: the engine refused the update
-        before receiving, and nothing may be broadcast)."""
-        keys = [f"ready/{transfer}/{rank}" for rank in range(1, self.world_size)]
-        while not self.store.check(keys):
-            if answered():
-                return False
-            time.sleep(0.002)
-        for key in keys:
-            self.store.delete_key(key)
-        return True
+        """The trainer: ``True`` once every worker is ready for ``transfer`` (they are told to go);
+        ``False`` when a worker refused or the request returned first (the engine refused before
+        receiving; ready workers are told to abort), and nothing may be broadcast."""
+        workers = range(1, self.world_size)
+        ready = [f"ready/{transfer}/{rank}" for rank in workers]
+        refused = [f"refused/{transfer}/{rank}" for rank in workers]
+        everyone = _wait_for(
+            lambda: self.store.check(ready), lambda: answered() or any(self.store.check([k]) for k in refused)
+        )
+        self.store.set(f"decision/{transfer}", "go" if everyone else "abort")
+        return everyone
 
     def destroy(self) -> None:
         if self.kind == "nccl" and self.group is not None:
             self.group.destroy()
         self.group = None
+
+
+def _wait_for(condition: Callable[[], bool], give_up: Callable[[], bool]) -> bool:
+    """Poll until ``condition()`` (``True``) or ``give_up()`` (``False``, after a last look)."""
+    while not condition():
+        if give_up():
+            return condition()
+        time.sleep(0.002)
+    return True
 
 
 def address_towards(url: str) -> str:
@@ -242,8 +285,13 @@ def address_towards(url: str) -> str:
         return connection.getsockname()[0]
 
 
-def free_port(host: str) -> int:
-    """A port nobody listens on at ``host`` now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_ports(host: str, count: int) -> list[int]:
+    """``count`` distinct ports nobody listens on at ``host`` now."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()

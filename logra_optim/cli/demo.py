@@ -82,8 +82,8 @@ class DemoSettings:
     # redo it with a rescaled α when it misses the budget by more than 10%.
     realised_kl_check: bool = False
     # Activation checkpointing for every method (TRL's GRPOConfig turns it on by default). Off here:
-    # on this CPU demo it made every update slower (AdamW 0.70 s instead of 0.43) and LoGRA's 1.46×
-    # AdamW's, for a peak of 0.49× instead of 0.54× (docs/benchmarks.md, "The demo").
+    # on the demo's CPU run it made every method's update slower (dense AdamW 0.70 s instead of
+    # 0.37–0.43) and the run 15 minutes long (docs/benchmarks.md, "The demo").
     gradient_checkpointing: bool = False
     # Learning rates; None: the policy's (POLICY_RATES).
     adamw_lr: float | None = None  # dense AdamW and AdamW on the targets

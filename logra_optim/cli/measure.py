@@ -34,19 +34,24 @@ def resolve_device(device: str) -> str:
 
 
 def faster_probe_dtype(device: str, rows: int, width: int, out: int) -> str | None:
-    """``"bfloat16"`` where a bf16 matrix product of the probe's shape (``rows × width`` by ``width ×
-    out``) is faster than an fp32 one on ``device``, else ``None`` (the weights' fp32). CUDA GPUs
-    compute bf16 natively; CPUs do only with bf16 instructions (AVX512-BF16, AMX), and without them
-    a bf16 product can take several times an fp32 one, so there it is measured (a few ms)."""
+    """``"bfloat16"`` where the probe's bf16 products are faster than fp32 ones on ``device``, else
+    ``None`` (the weights' fp32). CUDA GPUs from Ampere on compute bf16 natively; CPUs do only with
+    bf16 instructions (AVX512-BF16, AMX), and without them a bf16 product can take several times an
+    fp32 one, so there it is measured (a few ms): primal and tangent rows (``2·rows × width``) by
+    ``width × out``, with the bf16 side paying its casts of the input, the weight and the result."""
     if device.startswith("cuda"):
-        return "bfloat16"
+        return "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else None
+    x, w = torch.randn(2 * rows, width), torch.randn(out, width)
+    products = {
+        torch.float32: lambda: x @ w.T,
+        torch.bfloat16: lambda: (x.to(torch.bfloat16) @ w.to(torch.bfloat16).T).float(),
+    }
     timings = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        x, w = torch.randn(rows, width, dtype=dtype), torch.randn(out, width, dtype=dtype)
-        x @ w.T  # warm-up
+    for dtype, product in products.items():
+        product()  # warm-up
         started = time.perf_counter()
         for _ in range(5):
-            x @ w.T
+            product()
         timings[dtype] = time.perf_counter() - started
     return "bfloat16" if timings[torch.bfloat16] < 0.9 * timings[torch.float32] else None
 
