@@ -44,6 +44,7 @@ from .transport import DEFAULT_BUFFER_BYTES
 __all__ = ["LoGRAInitInfo", "LoGRAUpdateInfo", "LoGRAWeightTransferEngine"]
 
 KINDS = ("full", "load", "apply", "verify", "patch")
+TENSOR_KINDS = ("full", "load", "apply", "patch")  # the kinds whose tensors may come over a process group
 
 
 @dataclass
@@ -181,7 +182,7 @@ class LoGRAWeightTransferEngine(WeightTransferEngine[LoGRAInitInfo, LoGRAUpdateI
                     "LoGRA weight transfer: this update was sent over another trainer's group (the engine was "
                     "initialised again since); that trainer must initialise it again"
                 )
-            if kind not in ("full", "load", "apply", "patch"):
+            if kind not in TENSOR_KINDS:
                 raise ValueError(f"LoGRA weight transfer: a {kind!r} update carries no tensors over the group")
             try:
                 buffers = transport.receive_buffers(update_info.tensors, self.buffer_bytes, self.link.device)

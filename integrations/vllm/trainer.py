@@ -250,9 +250,7 @@ class VLLMServer:
 
     def config(self) -> tuple[str | None, torch.dtype]:
         """The server's weight-transfer backend and model dtype (from ``/server_info``)."""
-        config = self._server_config()
-        backend = (config.get("weight_transfer_config") or {}).get("backend")
-        return backend, wire.dtype(config["model_config"]["dtype"])
+        return _backend_and_dtype(self._server_config())
 
     def initialise(self) -> None:
         """Check that the server runs the ``logra`` backend, then hand it the protocol version and the
@@ -261,7 +259,7 @@ class VLLMServer:
         if self.model_dtype is not None:
             return
         config = self._server_config()
-        backend = (config.get("weight_transfer_config") or {}).get("backend")
+        backend, model_dtype = _backend_and_dtype(config)
         if backend != BACKEND:
             raise RuntimeError(
                 f"vLLM server {self.url} runs weight-transfer backend {backend!r}, not {BACKEND!r}: LoGRA syncs need "
@@ -288,7 +286,7 @@ class VLLMServer:
                 raise
             answer.result()
             self._link_token = token
-        self.model_dtype = wire.dtype(config["model_config"]["dtype"])
+        self.model_dtype = model_dtype
 
     def _drop_link(self) -> None:
         if self.link is not None:
@@ -666,6 +664,11 @@ def _trainer_checksums(targets, seed: int, dtypes) -> dict[str, dict[str, torch.
         probe = checksum_probe(projection_seed(seed, 0, name), weight.shape[1], device=weight.device)
         sums[name] = {str(dtype): weight_checksum(weight.to(dtype), probe).cpu() for dtype in dtypes}
     return sums
+
+
+def _backend_and_dtype(config: dict) -> tuple[str | None, torch.dtype]:
+    """The weight-transfer backend and model dtype in a server's ``vllm_config``."""
+    return (config.get("weight_transfer_config") or {}).get("backend"), wire.dtype(config["model_config"]["dtype"])
 
 
 def _in_background(function: Callable, *args) -> Future:

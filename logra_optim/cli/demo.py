@@ -489,13 +489,14 @@ def run_worker(spec: dict) -> dict:
         processing_class=tokenizer,
         callbacks=[progress_callback(settings.steps), evaluations, meter],
     )
-    probe_dtype = settings.probe_dtype
-    if method == "logra" and probe_dtype == "auto":
-        # The probe's products: a few short sequences (about 64 tokens) through the MLP's widest matrix.
-        config = model.config
-        probe_dtype = faster_probe_dtype(device, 64, config.hidden_size, config.intermediate_size)
+    probe_dtype = None
     if method == "logra":
         from logra_optim.integrations.trl import attach_logra  # imports transformers
+
+        probe_dtype = settings.probe_dtype
+        if probe_dtype == "auto":  # the probe's products: about 64 tokens through the MLP's widest matrix
+            config = model.config
+            probe_dtype = faster_probe_dtype(device, 64, config.hidden_size, config.intermediate_size)
 
         attach_logra(
             trainer,
@@ -530,7 +531,7 @@ def run_worker(spec: dict) -> dict:
         "seconds_per_update": seconds / settings.steps,
         "peak_bytes": peak_memory(device) - baseline,
         "device": device,
-        "probe_dtype": probe_dtype if method == "logra" else None,
+        "probe_dtype": probe_dtype,
         # What the optimizer updates (LoGRA's targets take no .grad, so requires_grad undercounts them).
         "trained_params": sum(p.numel() for group in trainer.optimizer.param_groups for p in group["params"]),
     }
