@@ -1,11 +1,27 @@
-"""Seeded random projections ``A ∈ R^{r×k}``, regenerated on demand and never stored.
+"""Seeded random projections ``A ∈ R^{r×k}``, generated where they are used and never stored.
 
-Every party that needs ``A`` (the patched layer, the optimizer's merge, another data-parallel rank,
-the rollout engine) rebuilds it from ``(base seed, update index, module name)``. That only works if
-all of them get the *bit-identical* matrix, on any device and in any process. CUDA and CPU random
-streams differ for the same seed, and vectorised float kernels may round differently from machine to
-machine, so the randomness here comes from integer draws of a CPU ``torch.Generator`` (a serial
-Mersenne Twister: exact everywhere) and the floats are derived from those integers in float64.
+Every party that needs ``A`` (the patched layer's forward, the KL probe, the optimizer's merge,
+another data-parallel rank, the rollout engine) generates it from ``(base seed, update index,
+module name)`` and frees it after use. That only works if all of them get the *same* matrix, on any
+device and in any process.
+
+The randomness is a counter-based hash, SplitMix64's output function applied to
+``seed + (c + 1)·γ`` for counter ``c`` (i.e. the ``c``-th output of SplitMix64 seeded with
+``seed``), written as int64 torch operations. Integer arithmetic has one answer on every device
+(two's-complement wrap-around, logical shifts emulated by masking), so the same kernels run on a
+GPU, where ``A`` is needed, without a CPU Mersenne Twister and a host-to-device copy, and give the
+same bits as on the CPU. What is guaranteed:
+
+* the integer stream is bit-identical everywhere (pinned against a pure-Python SplitMix64 in the
+  tests);
+* ``"rademacher"`` entries (one hash bit each, ``±1/√r``) are therefore bit-identical everywhere;
+* ``"gaussian"`` entries go through float64 ``log``, ``sqrt``, ``cos`` and ``sin`` (Box–Muller),
+  whose last bit may differ between CPU and CUDA math libraries; the fp32 result then agrees
+  except, rarely, in its last bit. Parties that must agree bit for bit (trainer and engine merging
+  into copies of one weight) should generate on the same kind of device, or use Rademacher.
+
+Entry ``e = i·k + j`` of ``A`` depends on ``(seed, e)`` only, so a row-major prefix of ``A`` does not
+depend on ``k`` or ``r``, and generation runs in chunks of bounded size.
 """
 
 from __future__ import annotations
@@ -13,10 +29,18 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+from dataclasses import dataclass
 
 import torch
 
 PROJECTIONS = ("rademacher", "gaussian")
+
+# Names the stream in fingerprints and docs; change it with any change of the bits produced.
+GENERATOR = "splitmix64/v1"
+
+# Entries generated per chunk: bounds the int64/float64 temporaries (≈ 8–40 bytes per entry).
+_CHUNK = 1 << 20
+
 
 # Prefixes that wrappers insert into module names; the seed must not depend on how a model is wrapped.
 _WRAPPER_COMPONENTS = re.compile(r"(^|\.)(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.")
@@ -72,6 +96,60 @@ def projection_seed(base_seed: int, update_index: int, name: str) -> int:
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
+def _int64(value: int) -> int:
+    """An unsigned 64-bit constant as the signed int64 with the same bits."""
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GAMMA = _int64(0x9E3779B97F4A7C15)  # SplitMix64's increment (2⁶⁴/φ, odd)
+_MIX1 = _int64(0xBF58476D1CE4E5B9)
+_MIX2 = _int64(0x94D049BB133111EB)
+
+
+def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bits: torch's ``>>`` is arithmetic, so mask the copied sign."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def splitmix64(seed: int, start: int, count: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Outputs ``start … start+count−1`` of SplitMix64 seeded with ``seed``, as int64 bit patterns.
+
+    Output ``c`` is ``mix(seed + (c + 1)·γ)`` (mod 2⁶⁴): a pure function of ``(seed, c)``, so any
+    range is generated independently, on any device, with identical bits."""
+    z = torch.arange(start + 1, start + count + 1, dtype=torch.int64, device=device)
+    z.mul_(_GAMMA).add_(_int64(seed))
+    z = (z ^ _shift_right(z, 30)).mul_(_MIX1)
+    z = (z ^ _shift_right(z, 27)).mul_(_MIX2)
+    return z ^ _shift_right(z, 31)
+
+
+def _rademacher(seed: int, start: int, count: int, scale: float, device) -> torch.Tensor:
+    """Entries ``start … start+count−1``: bit ``b`` of hash ``w`` (least significant first) is entry
+    ``64w + b``; set means ``+scale``. ``start`` is a multiple of 64."""
+    words = splitmix64(seed, start // 64, (count + 63) // 64, device)
+    # Bytes by arithmetic (not a reinterpreting view), so the order does not depend on endianness.
+    byte_shifts = torch.arange(0, 64, 8, dtype=torch.int64, device=device)
+    octets = ((words.unsqueeze(1) >> byte_shifts) & 0xFF).to(torch.uint8)
+    bit_shifts = torch.arange(8, dtype=torch.uint8, device=device)
+    bits = ((octets.unsqueeze(2) >> bit_shifts) & 1).reshape(-1)[:count]
+    # 0/1 → ±1 → ±scale: every step is exact in fp32, so the result is the same on every device.
+    return bits.to(torch.float32).mul_(2.0).sub_(1.0).mul_(torch.tensor(scale, dtype=torch.float32, device=device))
+
+
+def _gaussian(seed: int, start: int, count: int, scale: float, device) -> torch.Tensor:
+    """Entries ``start … start+count−1`` by Box–Muller: pair ``p`` (entries ``2p``, ``2p+1``) takes
+    the 53-bit uniforms ``u₁, u₂ ∈ (0, 1)`` of hashes ``2p``, ``2p+1`` and gives
+    ``√(−2 ln u₁)·(cos 2πu₂, sin 2πu₂)·scale``. ``start`` is even."""
+    pairs = (count + 1) // 2
+    draws = _shift_right(splitmix64(seed, start, 2 * pairs, device), 11).view(pairs, 2)
+    uniform = (draws.to(torch.float64) + 0.5) * 2.0**-53
+    radius = torch.sqrt(-2.0 * torch.log(uniform[:, 0])) * scale
+    angle = 2.0 * math.pi * uniform[:, 1]
+    values = torch.stack((radius * torch.cos(angle), radius * torch.sin(angle)), dim=1)
+    return values.reshape(-1)[:count].to(torch.float32)
+
+
 def make_projection(
     seed: int,
     rank: int,
@@ -80,24 +158,36 @@ def make_projection(
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """The projection ``A`` (``rank × in_features``) with ``E[AᵀA] = I``.
+    """The projection ``A`` (``rank × in_features``) with ``E[AᵀA] = I``, generated on ``device``.
 
     ``"rademacher"``: entries ±1/√r with equal probability. ``"gaussian"``: N(0, 1/r) by Box–Muller.
-    """
+    The entries are computed in fp32 and then cast to ``dtype``, so ``dtype`` only casts."""
     if kind not in PROJECTIONS:
         raise ValueError(f"projection must be one of {PROJECTIONS}, got {kind!r}")
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+    draw = _rademacher if kind == "rademacher" else _gaussian
+    scale = 1.0 / math.sqrt(rank)
     count = rank * in_features
-    if kind == "rademacher":
-        # One random byte gives eight signs.
-        packed = torch.empty((count + 7) // 8, dtype=torch.uint8).random_(0, 256, generator=generator)
-        shifts = torch.arange(8, dtype=torch.uint8)
-        bits = ((packed.unsqueeze(1) >> shifts) & 1).reshape(-1)[:count]
-        values = bits.to(torch.float32).mul_(2.0).sub_(1.0).mul_(1.0 / math.sqrt(rank))
-    else:
-        # 53-bit uniforms in (0, 1) from integer draws, then Box–Muller in float64.
-        draws = torch.empty(2, count, dtype=torch.int64).random_(0, 2**53, generator=generator)
-        uniform = (draws.to(torch.float64) + 0.5) * 2.0**-53
-        radius = torch.sqrt(-2.0 * torch.log(uniform[0]))
-        values = (radius * torch.cos(2.0 * math.pi * uniform[1]) / math.sqrt(rank)).to(torch.float32)
-    return values.reshape(rank, in_features).to(device=device, dtype=dtype)
+    out = torch.empty(count, dtype=dtype, device=device)
+    for start in range(0, count, _CHUNK):  # _CHUNK is a multiple of 64: chunks start on a word
+        stop = min(count, start + _CHUNK)
+        out[start:stop] = draw(seed, start, stop - start, scale, out.device)
+    return out.view(rank, in_features)
+
+
+@dataclass(frozen=True)
+class ProjectionSpec:
+    """Everything that determines one ``A``: what is kept instead of the matrix (four numbers
+    instead of ``r·k`` floats), compared across data-parallel ranks, and sent to a rollout engine."""
+
+    seed: int
+    rank: int
+    in_features: int
+    kind: str = "rademacher"
+
+    def generate(self, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``A`` (``rank × in_features``), freshly generated on ``device``."""
+        return make_projection(self.seed, self.rank, self.in_features, self.kind, device, dtype)
+
+    def nbytes(self, dtype: torch.dtype = torch.float32) -> int:
+        """Bytes of ``A`` in ``dtype``: the transient a generation allocates (plus its chunk temporaries)."""
+        return self.rank * self.in_features * torch.empty((), dtype=dtype).element_size()

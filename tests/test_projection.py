@@ -1,4 +1,5 @@
-"""Projections ``A`` (docs/method.md §1): scale, unbiasedness, and bit-exact regeneration.
+"""Projections ``A`` (docs/method.md §1): the counter-based generator, scale, unbiasedness, and
+bit-exact regeneration.
 
 Every party that needs ``A`` (the patched layer, the merge, another rank, the rollout engine, a
 resumed run) regenerates it from ``(seed, update index, module name)``; any drift between them
@@ -13,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from unittest import mock
 
 import pytest
 import torch
@@ -20,7 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from logra_optim import canonical_name, make_projection, projection_seed
-from logra_optim.projection import projection_key
+from logra_optim import projection as projection_module
+from logra_optim.projection import ProjectionSpec, projection_key, splitmix64
 
 KINDS = ("rademacher", "gaussian")
 Q_PROJ = "model.layers.0.self_attn.q_proj"
@@ -97,6 +100,70 @@ def test_seed_separates_seed_index_and_name(seed, index, name):
     assert projection_seed(seed + 1, index, name) != base
     assert projection_seed(seed, index + 1, name) != base
     assert projection_seed(seed, index, name + "x") != base
+
+
+# --------------------------------------------------------------------------------------------------
+# The generator: SplitMix64 in int64 torch operations
+
+_MASK64 = (1 << 64) - 1
+
+
+def splitmix64_reference(seed: int, start: int, count: int) -> list[int]:
+    """SplitMix64 (Steele, Lea and Flood 2014) in Python integers, as signed 64-bit values."""
+    out = []
+    for counter in range(start, start + count):
+        z = (seed + (counter + 1) * 0x9E3779B97F4A7C15) & _MASK64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        z ^= z >> 31
+        out.append(z - (1 << 64) if z >= 1 << 63 else z)
+    return out
+
+
+def test_splitmix64_matches_the_published_stream():
+    # The first outputs for seed 1234567 of the reference C implementation (Vigna's splitmix64.c).
+    assert [v & _MASK64 for v in splitmix64(1234567, 0, 3).tolist()] == [
+        6457827717110365317,
+        3203168211198807973,
+        9817491932198370423,
+    ]
+
+
+@given(seed=st.integers(0, 2**63 - 1), start=st.integers(0, 2**40), count=st.integers(1, 300))
+@settings(max_examples=40)
+def test_torch_int64_arithmetic_is_the_exact_stream(seed, start, count):
+    """int64 torch ops wrap modulo 2⁶⁴ and the emulated logical shifts are exact: every bit agrees
+    with unbounded Python integers, for any range of counters."""
+    assert splitmix64(seed, start, count).tolist() == splitmix64_reference(seed, start, count)
+
+
+@given(seed=st.integers(0, 2**63 - 1), kind=st.sampled_from(KINDS), r=st.integers(1, 12), k=st.integers(1, 200))
+@settings(max_examples=30, deadline=None)
+def test_chunking_does_not_change_the_bits(seed, kind, r, k):
+    whole = make_projection(seed, r, k, kind)
+    with mock.patch.object(projection_module, "_CHUNK", 64):
+        assert torch.equal(make_projection(seed, r, k, kind), whole)
+
+
+@given(seed=st.integers(0, 2**63 - 1), kind=st.sampled_from(KINDS), k1=st.integers(1, 100), k2=st.integers(1, 100))
+@settings(max_examples=30, deadline=None)
+def test_entry_depends_on_seed_and_position_only(seed, kind, k1, k2):
+    """Entry ``e = i·k + j`` is a function of ``(seed, e)``: row-major prefixes of two shapes agree
+    (up to the ``1/√r`` scale)."""
+    a = make_projection(seed, 4, k1, kind).flatten() * 2.0
+    b = make_projection(seed, 9, k2, kind).flatten() * 3.0
+    n = min(a.numel(), b.numel())
+    torch.testing.assert_close(a[:n], b[:n], rtol=1e-6, atol=0)
+    if kind == "rademacher":
+        assert torch.equal(a[:n], b[:n])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_spec_generates_its_matrix(kind):
+    spec = ProjectionSpec(99, 6, 50, kind)
+    assert torch.equal(spec.generate(), make_projection(99, 6, 50, kind))
+    assert spec.generate(dtype=torch.bfloat16).dtype == torch.bfloat16
+    assert spec.nbytes() == 6 * 50 * 4 and spec.nbytes(torch.bfloat16) == 6 * 50 * 2
 
 
 # --------------------------------------------------------------------------------------------------
@@ -223,14 +290,16 @@ def test_projection_is_bit_identical_in_a_separate_process():
 def test_projection_matches_pinned_bits():
     """Golden values: a checkpoint or a rollout engine on another version must regenerate the same A.
     If this fails the projection stream changed; that must be a deliberate, versioned change
-    (the ``logra/v1`` key), never a side effect."""
+    (the ``logra/v1`` seed key, ``GENERATOR``, the sync payload version), never a side effect.
+    (Changed deliberately once: the CPU Mersenne Twister gave way to SplitMix64, payload version 4.)"""
     seed = projection_seed(0, 0, Q_PROJ)
     assert seed == 6096856087719476021
+    assert projection_module.GENERATOR == "splitmix64/v1"
     assert digest(make_projection(seed, 8, 64, "rademacher")) == (
-        "904e85542dda89aea649a28eccda83477c137a484a04a52ed0094a4298056b00"
+        "b39609c3f0e42f18bdc1df09309ecda33258778a20c0d73d4181a2eeceeb0994"
     )
     assert digest(make_projection(seed, 8, 64, "gaussian")) == (
-        "da12fb74215eab9ef9c59346782290c5b0e2d7d86930e295440008bb9dcca08e"
+        "a12300c9493fdedc087504e2f3d6a1ef323d0700e6f56634ba0b67aa80fa0f36"
     )
 
 
