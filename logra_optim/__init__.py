@@ -17,12 +17,13 @@ from .patching import (
     patched_targets,
     unpatch_model,
 )
-from .projection import canonical_name, make_projection, projection_seed
+from .projection import ProjectionSpec, canonical_name, make_projection, projection_seed
 
 __all__ = [
     "DEFAULT_TARGET_NAMES",
     "CosineBudget",
     "LoGRAOptimizer",
+    "ProjectionSpec",
     "canonical_name",
     "find_experts_modules",
     "find_target_modules",

@@ -379,48 +379,51 @@ class DataParallel:
         """Fail loudly on every rank if the ranks' projections differ (seeds, update index, targets)."""
         if gathered is None:
             gathered = gather_([fingerprint_of.value()], self.group, self.device)[:, 0]
-        check_fingerprints(gathered, self.group, fingerprint_of.names, fingerprint_of.header, fingerprint_of.checksums)
+        check_fingerprints(
+            gathered, self.group, fingerprint_of.names, fingerprint_of.header, fingerprint_of.projections
+        )
 
 
 @dataclass(frozen=True)
 class ProjectionFingerprint:
-    """What determines every target's projection: the settings and a checksum of each ``A``."""
+    """What determines every target's projection: the settings (with the generator's name) and
+    each target's :func:`projection_identity`."""
 
     header: tuple
     names: tuple[str, ...]
-    checksums: tuple[float, ...]
+    projections: tuple[tuple, ...]
 
     def value(self) -> int:
-        return fingerprint(self.header, self.checksums)
+        return fingerprint(self.header, self.projections)
 
 
 # --------------------------------------------------------------------------------------------------
 # Consistency guard
 
 
-def projection_checksum(projection: torch.Tensor) -> float:
-    """A cheap checksum of ``A``: its sum and a position-weighted sum, folded into one float."""
-    a = projection.detach().double()
-    weights = torch.arange(1, a.shape[1] + 1, dtype=torch.float64, device=a.device)
-    return float(a.sum()) + 1e-3 * float((a[0] * weights).sum())
+def projection_identity(spec) -> tuple:
+    """What a rank compares of one target's ``A``: its :class:`~logra_optim.projection.ProjectionSpec`
+    as a tuple. ``A`` is a pure function of it and of the generator (named in the header), so equal
+    identities mean equal matrices, and checking costs no generation (it runs at every step)."""
+    return (spec.seed, spec.rank, spec.in_features, spec.kind)
 
 
-def fingerprint(header: Sequence, checksums: Sequence[float]) -> int:
+def fingerprint(header: Sequence, projections: Sequence[tuple]) -> int:
     """A 52-bit hash (exact in float64) of the settings that determine the projections and of
-    every target's projection checksum."""
-    key = repr((tuple(header), tuple(round(c, 9) for c in checksums))).encode()
+    every target's projection identity."""
+    key = repr((tuple(header), tuple(projections))).encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 12
 
 
 def check_fingerprints(
-    fingerprints: torch.Tensor, group, names: Sequence[str], header: Sequence, checksums: Sequence[float]
+    fingerprints: torch.Tensor, group, names: Sequence[str], header: Sequence, projections: Sequence[tuple]
 ) -> None:
     """Raise on every rank if the gathered fingerprints differ, naming the ranks and the first target
     whose projection differs (one more collective, on the error path only)."""
     values = [int(v) for v in fingerprints.tolist()]
     if len(set(values)) == 1:
         return
-    mine = (tuple(header), list(names), [round(c, 9) for c in checksums])
+    mine = (tuple(header), list(names), list(projections))
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     reference = everyone[0]
@@ -430,15 +433,16 @@ def check_fingerprints(
         other = everyone[rank]
         if other[0] != reference[0]:
             detail = (
-                "settings (seed, projection index, rank, expert rank, kind, refresh, refresh_every, shared, targets) "
+                "settings (seed, projection index, rank, expert rank, kind, refresh, refresh_every, shared, targets, "
+                "generator) "
                 f"{reference[0]} on rank 0 vs {other[0]} on rank {rank}"
             )
             break
         if other[1] != reference[1]:
             detail = f"targets differ: rank 0 has {len(reference[1])}, rank {rank} has {len(other[1])}"
             break
-        for name, mine_sum, their_sum in zip(reference[1], reference[2], other[2]):
-            if mine_sum != their_sum:
+        for name, ours, theirs in zip(reference[1], reference[2], other[2]):
+            if ours != theirs:
                 detail = f"projection of target {name!r} differs between rank 0 and rank {rank}"
                 break
         if detail:

@@ -1,7 +1,8 @@
 """``LoGRAOptimizer``: the bookkeeping of a LoGRA update around pure functions.
 
 The optimizer binds to a model patched by :func:`~logra_optim.patch_model`. It owns the sketch
-buffers and the projections of the targets (regenerated from the seed and the update index, never
+buffers and what determines the targets' projections (seed, rank, width, kind: ``A`` itself is
+generated where it is used, in the forward, the probe, the step size and the merge, and never
 stored) and runs one update per ``step()``: sketches → directions ``U`` (:mod:`.updates`) → step
 size ``η`` → step scale α (:mod:`.control`) → merge ``W ← W − α η U A`` into wherever each weight
 lives (:mod:`.distributed`). Its one param group holds the target weights so that torch LR
@@ -35,8 +36,8 @@ from .options import (
 )
 from .patching import TargetState, patched_targets, target_state
 from .probe import LogitsFn
-from .projection import make_projection, projection_key, projection_seed
-from .sketch import SharedProjection, SketchBank
+from .projection import GENERATOR, ProjectionSpec, projection_key, projection_seed
+from .sketch import SharedProjection, SketchBank, generated
 from .sync import TargetUpdate, Update, rounding_seed
 from .target import Target
 from .updates import basis_change, carry_first_moment, low_rank_sq_norm, next_direction, step_sizes
@@ -253,7 +254,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         for target, sketch in zip(targets, self._bank.views):
             target.state.sketch = sketch
             target.state.owner = weakref.ref(self)
-        self._regenerate_projections()
+        self._bind_projections()
         if self._ranks is not None:
             self._ranks.check(self._fingerprint())
         # When the optimizer goes away the patched layers return to plain forwards (no sketch work,
@@ -314,12 +315,18 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         key = projection_key(self._targets[index].name, self.options.share_projections)
         return projection_seed(self.seed, self.projection_index if update_index is None else update_index, key)
 
-    def projection_for(self, index: int, update_index: int | None = None) -> torch.Tensor:
-        """Regenerate ``A`` of target ``index`` (fp32, on its weight's device)."""
+    def projection_spec(self, index: int, update_index: int | None = None) -> ProjectionSpec:
+        """What determines target ``index``'s current ``A`` (seed, rank, width, kind)."""
         target = self._targets[index]
         seed = self.projection_seed(index, update_index)
-        rank = self.options.rank_for(target.experts)
-        return make_projection(seed, rank, target.shape[1], self.projection, device=target.weight.device)
+        return ProjectionSpec(seed, self.options.rank_for(target.experts), target.shape[1], self.projection)
+
+    def projection_for(self, index: int, update_index: int | None = None) -> torch.Tensor:
+        """Generate ``A`` of target ``index`` (fp32, on its weight's device); nothing keeps it."""
+        return self.projection_spec(index, update_index).generate(self._targets[index].weight.device)
+
+    def _projections(self, indices) -> list[SharedProjection]:
+        return [self._targets[index].state.shared_projection for index in indices]
 
     def sketch_buffers(self) -> list[torch.Tensor]:
         """The flat fp32 buffers holding every sketch (one per device), e.g. for an all-reduce."""
@@ -425,23 +432,24 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         previous_index = self.projection_index
         self.update_index += 1
         if self.projection_index != previous_index:
-            old = [t.state.projection for t in self._targets]
-            self._regenerate_projections()
+            old = [t.state.shared_projection for t in self._targets]
+            self._bind_projections()
             self._carry_first_moments(old)
         self._bank.zero_()
         return update
 
-    def _carry_first_moments(self, old_projections: list[torch.Tensor]) -> None:
-        """Express every first moment in the basis just drawn (one ``T`` per shared projection)."""
+    def _carry_first_moments(self, old_projections: list[SharedProjection]) -> None:
+        """Express every first moment in the basis just drawn (one ``T`` per shared projection): the
+        one place that needs two ``A`` at once, old and new, generated here and freed."""
         transfers = {}
         for target, old in zip(self._targets, old_projections):
             state = self.state.get(target.weight, {})
             if "first_moment" not in state:
                 continue
-            new = target.state.projection
+            new = target.state.shared_projection
             key = (id(old), id(new))
             if key not in transfers:
-                transfers[key] = basis_change(old, new)
+                transfers[key] = basis_change(old.generate(), new.generate())
             state["first_moment"] = carry_first_moment(state["first_moment"], transfers[key])
 
     def _refuse_loss_scaling(self) -> None:
@@ -470,9 +478,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             )
             steps.append(TargetStep(index, direction, state, eta=group["lr"]))
         if group["lr_mode"] == "update_ratio":
-            update_sq = _floats(
-                [low_rank_sq_norm(s.direction, t.state.projection) for s, t in zip(steps, self._targets)]
-            )
+            projections = generated(self._projections(range(len(steps))))
+            update_sq = _floats([low_rank_sq_norm(s.direction, a) for s, a in zip(steps, projections)])
             etas = step_sizes(group["lr"], self._weight_sq_norms(sharded_sq), update_sq, group["ratio_scope"])
             for step, eta in zip(steps, etas):
                 step.eta = eta
@@ -500,8 +507,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         backup = [weight.backup() for weight in self._weights]
 
         def undo() -> None:
-            for weight, target, saved in zip(self._weights, self._targets, backup):
-                weight.restore(saved, target.state.projection)
+            projections = generated(self._projections(range(len(self._weights))))
+            for weight, saved, projection in zip(self._weights, backup, projections):
+                weight.restore(saved, projection)
 
         try:  # leave no half-applied update behind
             self._merge(plan, choice.alpha)
@@ -513,8 +521,10 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             raise
 
     def _merge(self, plan: StepPlan, alpha: float) -> None:
-        for step in plan.steps:  # one factor at a time: all of them would weigh as much as the sketches
-            target, weight = self._targets[step.index], self._weights[step.index]
+        # One factor and one A at a time: all of them would weigh as much as the sketches.
+        projections = generated(self._projections(step.index for step in plan.steps))
+        for step, projection in zip(plan.steps, projections):
+            weight = self._weights[step.index]
             factor = step.factor(alpha)
             if self.options.wire_dtype is not None:
                 factor = factor.to(self.options.wire_dtype)
@@ -525,7 +535,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 generator.manual_seed(rounding_seed(self.projection_seed(step.index), self.update_index + 1))
             weight.merge_(
                 factor.contiguous(),
-                target.state.projection,
+                projection,
                 keep=bool(self._merge_hooks),
                 stochastic_rounding=self.options.stochastic_rounding,
                 generator=generator,
@@ -581,19 +591,15 @@ class LoGRAOptimizer(torch.optim.Optimizer):
     # ----------------------------------------------------------------------------------------------
     # Projections and data parallelism (see :mod:`.distributed`)
 
-    def _regenerate_projections(self) -> None:
-        """Draw every target's ``A``, once per group of siblings that share one (same seed, width and
-        device: one tensor and one ``x Aᵀ`` per forward between them)."""
+    def _bind_projections(self) -> None:
+        """Give every target what determines its current ``A``, one :class:`SharedProjection` per group
+        of siblings that share it (same seed, width and device: one ``A`` generated and one ``x Aᵀ``
+        per forward between them). Nothing is generated here."""
         shared: dict[tuple, SharedProjection] = {}
         for index, target in enumerate(self._targets):
-            key = (
-                self.projection_seed(index),
-                target.shape[1],
-                self.options.rank_for(target.experts),
-                target.weight.device,
-            )
+            key = (self.projection_spec(index), target.weight.device)
             if key not in shared:
-                shared[key] = SharedProjection(self.projection_for(index))
+                shared[key] = SharedProjection(*key)
             target.state.set_projection(shared[key])
 
     def _fingerprint(self) -> dp.ProjectionFingerprint:
@@ -607,11 +613,12 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             self.refresh_every,
             self.options.share_projections,
             len(self._targets),
+            GENERATOR,
         )
         return dp.ProjectionFingerprint(
             header,
             tuple(t.name for t in self._targets),
-            tuple(dp.projection_checksum(t.state.projection) for t in self._targets),
+            tuple(dp.projection_identity(t.state.shared_projection.spec) for t in self._targets),
         )
 
     def _synchronise(self) -> tuple[bool, list[float] | None]:
@@ -715,7 +722,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self.nonfinite_skips = int(logra["nonfinite_skips"])
         self.probe_skips = int(logra["probe_skips"])
         self._bank.zero_()
-        self._regenerate_projections()
+        self._bind_projections()
         if self._ranks is not None:
             self._ranks.check(self._fingerprint())
 

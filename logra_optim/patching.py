@@ -58,7 +58,8 @@ DEFAULT_TARGET_NAMES = frozenset(
 @dataclass(eq=False)
 class TargetState:
     """What a patched linear carries: its names, the flags to restore, and, while an optimizer is
-    bound, the current projection ``A`` (fp32, possibly shared with sibling targets) and sketch view ``S``."""
+    bound, what determines its current projection ``A`` (possibly shared with sibling targets; ``A``
+    is generated where it is used, never kept) and its sketch view ``S``."""
 
     name: str
     canonical_name: str
@@ -76,14 +77,17 @@ class TargetState:
     probe_compute_dtype: torch.dtype | None = None
 
     @property
-    def projection(self) -> torch.Tensor | None:
-        """The current ``A`` (fp32), ``None`` while no optimizer is bound."""
-        return None if self.shared_projection is None else self.shared_projection.projection
+    def bound(self) -> bool:
+        """Whether an optimizer is bound (a projection and a sketch to accumulate into)."""
+        return self.shared_projection is not None
 
-    def set_projection(self, projection: torch.Tensor | SharedProjection | None) -> None:
-        """Bind ``A``: a tensor of this target's own, or a :class:`SharedProjection` of siblings."""
-        if isinstance(projection, torch.Tensor):
-            projection = SharedProjection(projection)
+    def generate_projection(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The current ``A``, generated now on the optimizer's device for this target: a new tensor
+        that nothing else keeps (call it where ``A`` is needed, let it go after)."""
+        return self.shared_projection.generate(dtype)
+
+    def set_projection(self, projection: SharedProjection | None) -> None:
+        """Bind the projection (one :class:`SharedProjection` object for siblings sharing ``A``)."""
         self.shared_projection = projection
 
     def __deepcopy__(self, memo) -> TargetState:
@@ -116,14 +120,9 @@ def _patched_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
     if target.probe_factor is not None:
         return perturbed_linear(self, input, target)
     # Sketch work only where a backward can follow: train mode with grad enabled, optimizer bound.
-    if target.projection is None or not (self.training and torch.is_grad_enabled()):
+    if not target.bound or not (self.training and torch.is_grad_enabled()):
         return F.linear(input, self.weight, self.bias)
-    if target.projection.device != self.weight.device:
-        raise RuntimeError(
-            f"LoGRA target {target.name!r}: weight is on {self.weight.device} but the optimizer's "
-            f"projection is on {target.projection.device}. Move the model before creating "
-            "LoGRAOptimizer, as with any torch optimizer."
-        )
+    _check_device(target, self.weight)
     return sketched_linear(input, self.weight, self.bias, target.shared_projection, target.sketch)
 
 
@@ -134,17 +133,22 @@ def _patched_experts_forward(self: nn.Module, hidden_states, top_k_index, top_k_
         return routed_experts(
             self, hidden_states, top_k_index, top_k_weights, probing_linear(self, patch.names, states)
         )
-    if states[0].projection is None or not (self.training and torch.is_grad_enabled()):
+    if not states[0].bound or not (self.training and torch.is_grad_enabled()):
         return type(self).forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
-    weight = getattr(self, patch.names[0])
-    if states[0].projection.device != weight.device:
-        raise RuntimeError(
-            f"LoGRA target {states[0].name!r}: weight is on {weight.device} but the optimizer's projection is on "
-            f"{states[0].projection.device}. Move the model before creating LoGRAOptimizer, as with any torch "
-            "optimizer."
-        )
+    _check_device(states[0], getattr(self, patch.names[0]))
     linear = sketching_linear(self, patch.names, states, hidden_states)
     return routed_experts(self, hidden_states, top_k_index, top_k_weights, linear)
+
+
+def _check_device(target: TargetState, weight: torch.Tensor) -> None:
+    """The sketch (and the device ``A`` is generated on) was placed where the weight was when the
+    optimizer was built; a model moved since would sketch across devices."""
+    if target.sketch.device != weight.device:
+        raise RuntimeError(
+            f"LoGRA target {target.name!r}: weight is on {weight.device} but the optimizer's sketch and "
+            f"projection are on {target.sketch.device}. Move the model before creating LoGRAOptimizer, as with "
+            "any torch optimizer."
+        )
 
 
 def _is_gpt2_conv1d(module: nn.Module) -> bool:

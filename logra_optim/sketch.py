@@ -13,11 +13,13 @@ ranks can average them with one collective, like a bucketed gradient all-reduce.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
+
+from .projection import ProjectionSpec
 
 # An autograd Function's output requires grad only if one of its inputs does. With the embeddings
 # frozen, the first patched layer's input may not, and then no backward would ever reach it. Passing
@@ -26,43 +28,42 @@ GRAPH_ANCHOR = torch.zeros((), requires_grad=True)
 
 
 class SharedProjection:
-    """The projection ``A`` (fp32) of one or more targets, its casts to activation dtypes, and the
-    projected input ``x Aᵀ`` of the latest input.
+    """The projection of one or more targets, as what determines it (:class:`ProjectionSpec`) and
+    the device it is generated on, plus the projected input ``x Aᵀ`` of the latest input.
 
-    Siblings that read the same ``x`` (``q/k/v_proj``) and share one ``A`` get ``x Aᵀ`` computed
-    once: the first asks, the others find it here. Only a weak reference to ``x`` is kept, and the
-    cached product is dropped as soon as ``x`` is freed, so the cache holds no memory beyond the
-    lifetime of the input it was computed from (autograd keeps what backward needs itself).
+    ``A`` itself is never kept: :meth:`project` generates it, multiplies and lets it go, so between
+    uses a bound optimizer holds four numbers per group instead of ``r·k`` floats. Siblings that
+    read the same ``x`` (``q/k/v_proj``) and share one ``A`` get ``x Aᵀ`` computed, and ``A``
+    generated, once: the first asks, the others find the product here. Only a weak reference to
+    ``x`` is kept, and the product is dropped as soon as ``x`` is freed, so the cache holds no
+    memory beyond the lifetime of the input it was computed from (autograd keeps what backward
+    needs itself).
     """
 
-    def __init__(self, projection: torch.Tensor):
-        self.projection = projection
-        self._casts: dict[torch.dtype, torch.Tensor] = {}
+    def __init__(self, spec: ProjectionSpec, device: torch.device | str | None = None):
+        self.spec = spec
+        self.device = torch.device("cpu" if device is None else device)
         # (weak reference to x, (x's version, A's dtype, autocast dtype), x Aᵀ), replaced as one.
         self._cached: tuple | None = None
 
-    def as_dtype(self, dtype: torch.dtype) -> torch.Tensor:
-        """``A`` in ``dtype`` (cast once per projection)."""
-        if dtype == self.projection.dtype:
-            return self.projection
-        if dtype not in self._casts:
-            self._casts[dtype] = self.projection.to(dtype)
-        return self._casts[dtype]
+    def generate(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``A`` on this projection's device, cast to ``dtype``: a new tensor at every call."""
+        return self.spec.generate(self.device, dtype)
 
     def project(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """``x Aᵀ`` without autograd history (of the primal, for a forward-AD dual ``x``), ``A`` cast
-        to ``dtype`` (default ``x``'s; autocast applies as to any product), reused while the same
-        unchanged ``x`` comes again."""
-        projection = self.as_dtype(x.dtype if dtype is None else dtype)
+        """``x Aᵀ`` without autograd history (of the primal, for a forward-AD dual ``x``), ``A``
+        generated in ``dtype`` (default ``x``'s; autocast applies as to any product) and freed,
+        the product reused while the same unchanged ``x`` comes again."""
+        projection_dtype = x.dtype if dtype is None else dtype
         device = x.device.type
         autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-        key = (x._version, projection.dtype, autocast)
+        key = (x._version, projection_dtype, autocast)
         cached = self._cached
         if cached is not None and cached[0]() is x and cached[1] == key:
             return cached[2]
         with torch.no_grad():
             primal = fwAD.unpack_dual(x).primal  # a forward-AD probe passes dual inputs
-            projected = F.linear(primal if dtype is None else primal.to(dtype), projection)
+            projected = F.linear(primal if dtype is None else primal.to(dtype), self.generate(projection_dtype))
         self._cached = (weakref.ref(x, self._forget), key, projected)
         return projected
 
@@ -80,7 +81,7 @@ class SketchedLinear(torch.autograd.Function):
     """``y = x Wᵀ + b`` whose backward accumulates ``gᵀ (x Aᵀ)`` into ``sketch`` (d×r, fp32).
 
     ``x_projected`` (``x Aᵀ``, no autograd history) comes from :class:`SharedProjection`, so that
-    siblings sharing ``x`` and ``A`` save one tensor between them."""
+    siblings sharing ``x`` and ``A`` save one tensor between them; ``A`` is not needed here."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, x_projected, sketch, anchor):
@@ -111,7 +112,7 @@ class SketchedLinear(torch.autograd.Function):
 
 def sketched_linear(x, weight, bias, projection: SharedProjection, sketch) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` that sketches ``gᵀ (x Aᵀ)`` in backward; ``x Aᵀ`` is computed
-    in the dtype of the main product (autocast applies to both)."""
+    in the dtype of the main product (autocast applies to both), with ``A`` generated for it."""
     return SketchedLinear.apply(x, weight, bias, projection.project(x), sketch, GRAPH_ANCHOR)
 
 
@@ -148,3 +149,15 @@ class SketchBank:
 
     def all_finite(self) -> bool:
         return all(bool(torch.isfinite(buffer).all()) for buffer in self.flat.values())
+
+
+def generated(projections: Iterable[SharedProjection], dtype: torch.dtype = torch.float32) -> Iterator[torch.Tensor]:
+    """``A`` of each projection in turn, generated once for a run of consecutive identical ones:
+    targets come in module order, where siblings sharing ``A`` (``q/k/v``, ``gate/up``) are adjacent.
+    Only the latest ``A`` is referenced here, so a loop over all targets holds one or two at a time."""
+    current, tensor = None, None
+    for projection in projections:
+        if projection is not current:
+            tensor = None  # let the previous group's A go before generating the next
+            current, tensor = projection, projection.generate(dtype)
+        yield tensor

@@ -17,8 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from logra_optim import LoGRAOptimizer, make_projection, patch_model, patched_targets, unpatch_model
+from logra_optim import LoGRAOptimizer, patch_model, patched_targets, unpatch_model
 from logra_optim.patching import target_state
+from logra_optim.projection import ProjectionSpec
+from logra_optim.sketch import SharedProjection
 from logra_optim.probe import contexts_from_batch, jvp_predicted_kl
 from tests.helpers.reference import kl_divergence
 from tests.helpers.tiny import fixed_batch, tiny_qwen3_moe
@@ -69,8 +71,9 @@ def bind(module: nn.Module, rank: int, seed: int = 0) -> list[torch.Tensor]:
     projections = []
     for i, (attribute, state) in enumerate(zip(patch.names, patch.ordered())):
         weight = getattr(module, attribute)
-        a = make_projection(seed * 2 + i, rank, weight.shape[2])
-        state.set_projection(a)
+        spec = ProjectionSpec(seed * 2 + i, rank, weight.shape[2])
+        a = spec.generate()
+        state.set_projection(SharedProjection(spec))
         state.sketch = torch.zeros(weight.shape[0] * weight.shape[1], rank, dtype=torch.float64)
         projections.append(a)
     return projections
@@ -294,7 +297,7 @@ def test_kl_probe_includes_expert_updates():
         for target, factor in zip(optimizer.targets, factors):
             if target.experts > 1:
                 weight = merged.get_parameter(target.parameter_name)
-                delta = factor @ target.state.projection.double()  # [E·d, k]
+                delta = factor @ target.state.generate_projection().double()  # [E·d, k]
                 weight -= epsilon * delta.view(weight.shape)
         model.eval(), merged.eval()
         before = model(input_ids=batch["input_ids"]).logits[contexts.probe_mask]
@@ -418,7 +421,7 @@ def test_expert_rank_is_the_experts_own_and_is_checkpointed():
     optimizer = LoGRAOptimizer(patch_model(model), rank=8, expert_rank=2, kl_budget=1e-3)
     ranks = {t.name.rsplit(".", 1)[-1]: t.state.sketch.shape[1] for t in optimizer.targets}
     assert ranks == {"q_proj": 8, "k_proj": 8, "v_proj": 8, "o_proj": 8, "gate_up_proj": 2, "down_proj": 2}
-    assert all(t.state.projection.shape[0] == ranks[t.name.rsplit(".", 1)[-1]] for t in optimizer.targets)
+    assert all(t.state.shared_projection.spec.rank == ranks[t.name.rsplit(".", 1)[-1]] for t in optimizer.targets)
     model.train()
     model(**fixed_batch(batch=2, seq=10)).loss.backward()
     optimizer.step()
@@ -513,7 +516,7 @@ def test_other_families_experts_are_targets_with_exact_sketches(family):
     dense = dict(reference.named_parameters())
     for target in experts:
         gradient = dense[target.parameter_name].grad
-        expected_sketch = gradient.reshape(-1, gradient.shape[-1]) @ target.state.projection.double().T
+        expected_sketch = gradient.reshape(-1, gradient.shape[-1]) @ target.state.generate_projection().double().T
         error = (target.state.sketch.double() - expected_sketch).norm() / expected_sketch.norm()
         assert error < 1e-6, (target.name, float(error))
     before = {target.name: target.weight.detach().clone() for target in experts}

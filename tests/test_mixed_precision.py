@@ -32,7 +32,7 @@ def _unit_step_factors(opt: LoGRAOptimizer, update_ratio: float) -> list[torch.T
     """``F = η S`` with η giving ‖ΔW‖/‖W‖ = update_ratio over all targets (SGD directions)."""
     states = [t.state for t in opt.targets]
     weight_sq = sum(float(t.weight.double().square().sum()) for t in opt.targets)
-    update_sq = sum(float(low_rank_sq_norm(s.sketch, s.projection)) for s in states)
+    update_sq = sum(float(low_rank_sq_norm(s.sketch, s.generate_projection())) for s in states)
     eta = relative_step_size(update_ratio, weight_sq, update_sq)
     return [s.sketch * eta for s in states]
 

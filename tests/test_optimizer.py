@@ -224,7 +224,9 @@ def test_projection_refresh_and_fixed_basis(tiny, batch):
             assert optimizer.projection_index == index
             for name, module in targets(model):
                 seed = projection_seed(9, index, projection_key(name))
-                assert torch.equal(target_state(module).projection, make_projection(seed, 4, module.in_features))
+                assert torch.equal(
+                    target_state(module).generate_projection(), make_projection(seed, 4, module.in_features)
+                )
             model(**batch).loss.backward()
             optimizer.step()
 
@@ -246,7 +248,7 @@ def test_projection_seed_ignores_wrapper_prefixes(batch):
     wrapped_targets = targets(wrapped)
     assert [n for n, _ in wrapped_targets] == ["_orig_mod." + n for n in bare_names]
     for (_, a), (_, b) in zip(targets(bare), wrapped_targets):
-        assert torch.equal(target_state(a).projection, target_state(b).projection)
+        assert torch.equal(target_state(a).generate_projection(), target_state(b).generate_projection())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -315,12 +317,15 @@ def test_state_dict_keeps_the_projection_sharing(batch):
     assert state["logra"]["share_projections"] is False
     resumed = LoGRAOptimizer(patch_model(tiny_qwen2()), rank=4, lr=1e-3)  # default: shared
     resumed.load_state_dict(state)
-    assert all(torch.equal(a.state.projection, b.state.projection) for a, b in zip(opt.targets, resumed.targets))
+    assert all(
+        torch.equal(a.state.generate_projection(), b.state.generate_projection())
+        for a, b in zip(opt.targets, resumed.targets)
+    )
     del state["logra"]["share_projections"]
     shared = LoGRAOptimizer(patch_model(tiny_qwen2()), rank=4, lr=1e-3)
     shared.load_state_dict(state)
     assert not shared.options.share_projections
-    assert len({id(t.state.projection) for t in shared.targets}) == len(shared.targets)
+    assert len({id(t.state.shared_projection) for t in shared.targets}) == len(shared.targets)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -423,7 +428,7 @@ def test_releasing_the_optimizer_unbinds_the_model():
     hooks = len(model._forward_pre_hooks)
     del opt
     gc.collect()
-    assert all(target_state(m).projection is None and target_state(m).sketch is None for _, m in patched_modules(model))
+    assert all(not target_state(m).bound and target_state(m).sketch is None for _, m in patched_modules(model))
     assert len(model._forward_pre_hooks) == hooks - 1  # the context recorder left too
     with OutputShapes() as ops:
         model(**fixed_batch())
@@ -475,7 +480,7 @@ def test_non_finite_sketch_skips_the_step_and_changes_nothing(poison):
     good_step(model, opt, 0)
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     state = copy.deepcopy(opt.state_dict())
-    projections = [target_state(m).projection.clone() for _, m in targets(model)]
+    projections = [target_state(m).generate_projection() for _, m in targets(model)]
 
     if poison == "inf_loss":
         (model(**fixed_batch(seed=1)).loss * float("inf")).backward()
@@ -491,7 +496,7 @@ def test_non_finite_sketch_skips_the_step_and_changes_nothing(poison):
     assert_same_state(opt.state_dict()["state"], state["state"])
     assert opt.update_index == 1
     assert opt.stats["nonfinite_skips"] == 1 and opt.stats["skipped"]
-    assert all(torch.equal(target_state(m).projection, a) for (_, m), a in zip(targets(model), projections))
+    assert all(torch.equal(target_state(m).generate_projection(), a) for (_, m), a in zip(targets(model), projections))
     assert all(torch.isfinite(s).all() and not s.any() for s in sketches(model).values())
     assert opt.state_dict()["logra"]["nonfinite_skips"] == 1
 
@@ -561,7 +566,7 @@ def test_sub_ulp_updates_survive_bf16_storage_on_average(stochastic_rounding):
     w0, s, a = (
         weight.detach().double().clone(),
         target_state(model.proj).sketch.double(),
-        target_state(model.proj).projection.double(),
+        target_state(model.proj).generate_projection().double(),
     )
     spacing = 2.0 ** (torch.floor(torch.log2(w0.abs().clamp_min(2.0**-126))) - 7)  # bf16 ulp of each entry
     intended = -(s @ a)

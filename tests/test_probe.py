@@ -235,7 +235,7 @@ def test_probe_computes_x_projection_once_for_siblings_with_the_same_result(fitt
         shared = jvp_predicted_kl(model, targets, factors, contexts, keep_base=True)
     originals = [t.shared_projection for t in targets]
     for t in targets:
-        t.set_projection(SharedProjection(t.projection.clone()))
+        t.set_projection(SharedProjection(t.shared_projection.spec, t.shared_projection.device))
     with OutputShapes() as separate_run:
         separate = jvp_predicted_kl(model, targets, factors, contexts, keep_base=True)
     products = tuple(contexts.input_ids.shape) + (8,)  # x Aᵀ: (sequences, positions, r)

@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from logra_optim import LoGRAOptimizer, make_projection, patch_model, projection_seed
-from logra_optim.sketch import GRAPH_ANCHOR, SharedProjection, SketchBank, sketched_linear
+from logra_optim.projection import ProjectionSpec
+from logra_optim.sketch import GRAPH_ANCHOR, SharedProjection, SketchBank, generated, sketched_linear
 from tests.helpers.recorders import OutputShapes, SavedTensors
 from tests.helpers.reference import U16, U32, dense_gradient, dense_sketch
 from tests.helpers.tiny import OneLinear, fixed_batch, tiny_qwen2
@@ -59,10 +60,11 @@ def test_sketched_linear_matches_dense_float64(b, t, k, d, r, bias, kind, dtype,
     x.requires_grad_(True)
     weight = (torch.randn(d, k, generator=generator) / math.sqrt(k)).to(dtype)
     bias_t = torch.randn(d, generator=generator).to(dtype).requires_grad_(True) if bias else None
+    shared = SharedProjection(ProjectionSpec(seed, r, k, kind))
     a = make_projection(seed, r, k, kind)
     sketch = torch.zeros(d, r)
 
-    y = sketched_linear(x, weight, bias_t, SharedProjection(a), sketch)
+    y = sketched_linear(x, weight, bias_t, shared, sketch)
     assert torch.equal(y, F.linear(x, weight, bias_t))  # the forward is the plain linear, bit for bit
     y.backward(g)
 
@@ -97,14 +99,15 @@ def test_microbatch_accumulation_equals_one_batch(n, k, d, r, cuts, seed):
     x = torch.randn(n, k, generator=generator)
     g = torch.randn(n, d, generator=generator)
     weight = torch.randn(d, k, generator=generator)
-    a = make_projection(seed, r, k, "gaussian")
+    spec = ProjectionSpec(seed, r, k, "gaussian")
+    a = spec.generate()
     bounds = sorted({0, n, *(int(c * n) for c in cuts)})
 
     accumulated = torch.zeros(d, r)
     for start, stop in zip(bounds, bounds[1:]):
-        sketched_linear(x[start:stop], weight, None, SharedProjection(a), accumulated).backward(g[start:stop])
+        sketched_linear(x[start:stop], weight, None, SharedProjection(spec), accumulated).backward(g[start:stop])
     single = torch.zeros(d, r)
-    sketched_linear(x, weight, None, SharedProjection(a), single).backward(g)
+    sketched_linear(x, weight, None, SharedProjection(spec), single).backward(g)
 
     expected = dense_sketch(g, x, a)
     bound = sketch_error_bound(g.double(), x.double(), a.double(), torch.float32, n, k)
@@ -131,12 +134,12 @@ def test_patched_linear_with_optimizer_accumulates_dense_reference(d, k, r_fract
     patch_model(model, target_modules=["proj"])
     _optimizer = LoGRAOptimizer(model, rank=r, projection=kind, lr=1.0, seed=seed)
     target = target_state(model.proj)
-    assert torch.equal(target.projection, make_projection(projection_seed(seed, 0, "proj"), r, k, kind))
+    assert torch.equal(target.generate_projection(), make_projection(projection_seed(seed, 0, "proj"), r, k, kind))
 
     generator = torch.Generator().manual_seed(seed)
     dense_grad = torch.zeros(d, k, dtype=torch.float64)
     bound = torch.zeros(d, r, dtype=torch.float64)
-    a64 = target.projection.double()
+    a64 = target.generate_projection().double()
     for b, t in microbatches:
         x, g = random_problem(b, t, k, d, generator, dtype)
         model(x).backward(g)
@@ -166,8 +169,8 @@ def test_sketch_reconstruction_is_unbiased(kind):
 
     totals = [torch.zeros(d, k, dtype=torch.float64) for _ in range(2)]
     for i in range(m):
-        a = make_projection(projection_seed(0, i, "model.layers.0.mlp.up_proj"), r, k, kind)
-        shared = SharedProjection(a)
+        shared = SharedProjection(ProjectionSpec(projection_seed(0, i, "model.layers.0.mlp.up_proj"), r, k, kind))
+        a = shared.generate()
         sketches = [torch.zeros(d, r) for _ in range(2)]
         outputs = [sketched_linear(x, w, None, shared, s) for w, s in zip(weights, sketches)]
         torch.autograd.backward(outputs, gs)
@@ -255,8 +258,8 @@ def test_shared_projection_reuses_a_product_only_for_the_same_unchanged_input():
     an in-place change, another autocast state or another tensor recomputes it, and it is dropped
     when its input is freed."""
     generator = torch.Generator().manual_seed(0)
+    shared = SharedProjection(ProjectionSpec(3, 4, 12))
     a = make_projection(3, 4, 12)
-    shared = SharedProjection(a)
     x = torch.randn(5, 12, generator=generator)
     first = shared.project(x)
     assert shared.project(x) is first and torch.equal(first, x @ a.t())
@@ -282,10 +285,10 @@ def test_siblings_share_one_projection_and_one_saved_product(share):
     model = patch_model(tiny_qwen2())
     optimizer = LoGRAOptimizer(model, rank=rank, lr=1.0, share_projections=share)
     layers = model.config.num_hidden_layers
-    distinct = {id(t.state.projection) for t in optimizer.targets}
+    distinct = {id(t.state.shared_projection) for t in optimizer.targets}
     assert len(distinct) == (4 if share else 7) * layers
     attention = model.model.layers[0].self_attn
-    same = target_state(attention.q_proj).projection is target_state(attention.k_proj).projection
+    same = target_state(attention.q_proj).shared_projection is target_state(attention.k_proj).shared_projection
     assert same == share
     model.train()
     with SavedTensors() as saved, OutputShapes() as produced:
@@ -296,6 +299,64 @@ def test_siblings_share_one_projection_and_one_saved_product(share):
     assert len(products) == (4 if share else 7) * layers  # computed once, too
     loss.backward()
     assert all(bool(t.state.sketch.any()) for t in optimizer.targets)
+
+
+class CountingGenerations:
+    """Counts every ``A`` generated (through :meth:`ProjectionSpec.generate`) while active."""
+
+    def __init__(self, monkeypatch):
+        self.specs: list[ProjectionSpec] = []
+        original = ProjectionSpec.generate
+
+        def generate(spec, *args, **kwargs):
+            self.specs.append(spec)
+            return original(spec, *args, **kwargs)
+
+        monkeypatch.setattr(ProjectionSpec, "generate", generate)
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_a_forward_generates_each_projection_once_and_nothing_keeps_it(monkeypatch, share):
+    """``A`` is generated in the forward, once per group of siblings sharing it (4 per decoder layer
+    shared, 7 separate), and no tensor of ``A``'s size outlives its use: the bound optimizer keeps
+    what determines ``A``, not ``A``."""
+    rank = 5
+    model = patch_model(tiny_qwen2())
+    optimizer = LoGRAOptimizer(model, rank=rank, lr=1e-3, share_projections=share)
+    counter = CountingGenerations(monkeypatch)
+    model.train()
+    model(**fixed_batch()).loss.backward()
+    layers = model.config.num_hidden_layers
+    assert len(counter.specs) == (4 if share else 7) * layers
+    assert len(set(counter.specs)) == len(counter.specs)
+    projections = {id(t.state.shared_projection): t.state.shared_projection for t in optimizer.targets}.values()
+    assert all(not projection.holds_product for projection in projections)
+    for projection in projections:
+        assert not any(isinstance(value, torch.Tensor) for value in vars(projection).values())
+    widths = {t.shape[1] for t in optimizer.targets}
+    held = [o for o in gc.get_objects() if type(o) is torch.Tensor and o.dim() == 2 and o.shape[0] == rank]
+    assert not [o for o in held if o.shape[1] in widths]
+
+
+def test_a_step_generates_each_projection_for_the_step_size_and_the_merge(monkeypatch):
+    """Outside the forward, ``A`` is generated where it is used: once per group for the step sizes
+    (``‖U A‖``) and once per group for the merge; one more pair of old and new only at a redraw with
+    a first moment to carry."""
+    model = patch_model(tiny_qwen2())
+    optimizer = LoGRAOptimizer(model, rank=4, update_ratio=1e-3)
+    model.train()
+    model(**fixed_batch()).loss.backward()
+    counter = CountingGenerations(monkeypatch)
+    optimizer.step()
+    groups = 4 * model.config.num_hidden_layers
+    assert len(counter.specs) == 2 * groups
+
+
+def test_generated_reuses_a_for_consecutive_members_of_a_group():
+    first, second = SharedProjection(ProjectionSpec(1, 3, 8)), SharedProjection(ProjectionSpec(2, 3, 8))
+    tensors = list(generated([first, first, second, first]))
+    assert tensors[0] is tensors[1] and tensors[2] is not tensors[1] and tensors[3] is not tensors[0]
+    assert torch.equal(tensors[3], tensors[0]) and torch.equal(tensors[2], make_projection(2, 3, 8))
 
 
 def test_backward_forms_no_weight_sized_tensor():

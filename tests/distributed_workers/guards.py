@@ -11,6 +11,7 @@ import copy
 import os
 import sys
 import warnings
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,7 @@ from logra_optim import LoGRAOptimizer
 from logra_optim import distributed as dp
 from tests.distributed_workers.common import BATCH, build_model
 from logra_optim.patching import target_state
+from logra_optim.sketch import SharedProjection
 
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
@@ -54,7 +56,8 @@ def main() -> None:
     opt = LoGRAOptimizer(model, rank=4, update_ratio=1e-2)
     if rank == 1:
         target = target_state(model.model.layers[1].mlp.down_proj)
-        target.set_projection(-target.projection)
+        spec = target.shared_projection.spec
+        target.set_projection(SharedProjection(replace(spec, seed=spec.seed ^ 1), target.shared_projection.device))
     model(**BATCH).loss.backward()
     results["projection"] = error_of(opt.step)
     del opt

@@ -29,7 +29,7 @@ def snapshot(model) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         (
             m.weight.detach().double().clone(),
             target_state(m).sketch.double().clone(),
-            target_state(m).projection.double().clone(),
+            target_state(m).generate_projection().double(),
         )
         for _, m in patched_modules(model)
     ]
