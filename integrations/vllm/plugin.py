@@ -6,7 +6,8 @@ from __future__ import annotations
 
 BACKEND = "logra"
 # The meaning of a LoGRA update over the backend; trainer and engine must speak the same one.
-PROTOCOL = 2
+# 3: projections from the counter-based generator (sync payload version 4).
+PROTOCOL = 3
 
 
 def register() -> None:
