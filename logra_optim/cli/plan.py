@@ -11,11 +11,12 @@ Mistral-style decoders: attention q/k/v/o and a gated MLP per layer), for a per-
 * **LoRA** (rank ``r`` on the same targets, fp32 adapters): per target ``(d + k) r`` adapter
   parameters with gradients and two moments; activations: the linear layers' inputs as in dense
   training (each adapter's ``lora_A`` keeps its input) plus the ``r``-wide adapter outputs.
-* **LoGRA**: per target the fp32 sketch ``d × r`` and one fp32 RowAdam statistic per row; per
-  input the projection ``r × k`` (fp32, and a copy at the activation dtype if that differs; q/k/v
-  share one, gate/up share one: ``share_projections``, the default), all replicated on every GPU
-  (each rank sketches its own tokens, then they are averaged); activations: ``x Aᵀ`` (``r`` wide)
-  once per input instead of the input ``x``.
+* **LoGRA**: per target the fp32 sketch ``d × r`` and one fp32 RowAdam statistic per row,
+  replicated on every GPU (each rank sketches its own tokens, then they are averaged). The
+  projections ``A`` are not kept: each is generated where it is used (forward, step size, merge)
+  and freed, so what they add is a transient of at most two of them at once, counted as two fp32
+  ``r × k`` of the widest input (q/k/v share one ``A``, gate/up share one: ``share_projections``,
+  the default); activations: ``x Aᵀ`` (``r`` wide) once per input instead of the input ``x``.
 * **activations** per token and layer, in elements at the activation dtype (``H`` hidden, ``I``
   intermediate, ``q`` = heads × head_dim, ``kv`` the k/v width): two RMSNorms keep ``2H`` each when
   their weights train, ``H`` when frozen (LoRA, LoGRA); attention keeps q, k, v and its output
@@ -129,9 +130,7 @@ def breakdown(shape: Shape, method: str, setting: Setting) -> dict[str, float]:
     else:
         outs = shape.layers * sum(d * n for d, _, n in shape.targets())
         parts["sketches"] = 4 * shape.layers * sum(d * n * setting.rank_for(n) for d, _, n in shape.targets())
-        widths = shape.projection_widths()
-        ins = sum(widths) * r if not shape.experts else (sum(widths[:2]) * r + sum(widths[2:]) * setting.rank_for(2))
-        parts["projections"] = (4 + (0 if a == 4 else a)) * shape.layers * ins
+        parts["projections (transient)"] = 2 * 4 * _largest_projection(shape, setting)
         parts["row statistics"] = 4 * outs
 
     per_layer = _layer_activations(shape, method, r, setting.rank_for(2))
@@ -147,6 +146,13 @@ def breakdown(shape: Shape, method: str, setting: Setting) -> dict[str, float]:
         parts["activations"] += a * expert_params * (1 if setting.checkpointing else shape.layers)
     parts["logits"] = (12 + a) * shape.vocab * setting.tokens
     return parts
+
+
+def _largest_projection(shape: Shape, setting: Setting) -> int:
+    """Elements of the largest ``A`` of a layer (``r × k``; the experts' inputs at their own rank)."""
+    widths = shape.projection_widths()
+    ranks = [setting.rank] * 2 + [setting.rank_for(2 if shape.experts else 1)] * 2
+    return max(width * rank for width, rank in zip(widths, ranks))
 
 
 # Which phase of a step holds each component (see the module docstring).
