@@ -7,10 +7,12 @@ python benchmarks/gpu_check.py --device cpu --quick              # the same chec
 
 Checks, each reported as ``pass``, ``FAIL`` or ``skipped`` (with why) in one table and a JSON file:
 
-1. **projections**: ``A`` built for the device (and shared between siblings) equals the CPU
-   ``A`` bit for bit, for both kinds, and a sketch accumulated on the device equals the float64
-   CPU reference ``G Aᵀ`` within fp32 rounding. A rollout engine on another machine rebuilds ``A``
-   from its seed, so any difference here would make its weights drift.
+1. **projections**: ``A`` generated on the device (and shared between siblings) equals the CPU
+   ``A``: bit for bit for Rademacher (integer arithmetic only), and for Gaussian within one fp32 ulp
+   (float64 ``log``/``cos``/``sin`` of two math libraries; the entries that differ are counted), and
+   a sketch accumulated on the device equals the float64 CPU reference ``G Aᵀ`` within fp32
+   rounding. A rollout engine on another machine regenerates ``A`` from its seed, so any difference
+   here would make its weights drift.
 2. **bf16 autocast**: one LoGRA step under ``torch.autocast(bfloat16)`` with fp32 master weights
    moves every target by the fp32 reference's step within bf16 tolerance (the GEMMs round their
    inputs to bf16, nothing else may differ).
@@ -47,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from logra_optim import LoGRAOptimizer, make_projection, patch_model, projection_seed
+from logra_optim import LoGRAOptimizer, ProjectionSpec, make_projection, patch_model, projection_seed
 from logra_optim.cli import bench
 from logra_optim.cli.measure import GIB, resolve_device
 from logra_optim.cli.runner import WorkerFailed, run_fresh
@@ -87,19 +89,23 @@ def batch_for(model, device: str, batch: int = 4, seq: int = 64) -> dict:
 
 
 def check_projections(device: str, quick: bool) -> dict:
-    worst = 0.0
+    worst, gaussian_differing = 0.0, 0
     shapes = [(8, 96), (32, 1024)] if quick else [(8, 96), (256, 1536), (256, 8960)]
     for kind in ("rademacher", "gaussian"):
         for rank, width in shapes:
             seed = projection_seed(7, 3, f"model.layers.0.mlp.w{width}")
             on_cpu = make_projection(seed, rank, width, kind)
             on_device = make_projection(seed, rank, width, kind, device=device)
-            if not torch.equal(on_device.cpu(), on_cpu):
+            differing = int((on_device.cpu() != on_cpu).sum())
+            if kind == "gaussian":
+                gaussian_differing += differing
+                torch.testing.assert_close(on_device.cpu(), on_cpu, rtol=2.0**-23, atol=0)  # one fp32 ulp
+            elif differing:
                 return {"status": "FAIL", "detail": f"{kind} A ({rank}×{width}) differs between {device} and cpu"}
             # Two siblings sharing one A on the device: each sketch against the float64 CPU reference.
             generator = torch.Generator().manual_seed(seed % 2**31)
             x = torch.randn(64, width, generator=generator)
-            shared = SharedProjection(on_device)
+            shared = SharedProjection(ProjectionSpec(seed, rank, width, kind), device)
             x_device = x.to(device)
             for rows in (16, 48):
                 weight = torch.randn(rows, width, generator=generator) / width**0.5
@@ -111,7 +117,11 @@ def check_projections(device: str, quick: bool) -> dict:
                 worst = max(worst, float(((sketch.cpu().double() - reference).abs() / scale).max()))
     tolerance = 1e-4  # fp32 products of ≤ 9k terms (TF32 is off by default for matmul)
     status = "pass" if worst <= tolerance else "FAIL"
-    return {"status": status, "detail": f"A bit-identical; sketch error {worst:.1e} of |g|ᵀ|x||A|ᵀ (≤ {tolerance})"}
+    detail = (
+        f"Rademacher A bit-identical, Gaussian A {gaussian_differing} entries 1 ulp off; "
+        f"sketch error {worst:.1e} of |g|ᵀ|x||A|ᵀ (≤ {tolerance})"
+    )
+    return {"status": status, "detail": detail, "gaussian_entries_differing": gaussian_differing}
 
 
 def check_bf16_autocast(device: str, quick: bool) -> dict:

@@ -38,8 +38,9 @@ PROJECTIONS = ("rademacher", "gaussian")
 # Names the stream in fingerprints and docs; change it with any change of the bits produced.
 GENERATOR = "splitmix64/v1"
 
-# Entries generated per chunk: bounds the int64/float64 temporaries (≈ 8–40 bytes per entry).
-_CHUNK = 1 << 20
+# Entries generated per chunk: bounds the temporaries of a generation (per entry about 6 bytes for
+# Rademacher, 50 for Gaussian: 1.5 and 13 MiB) whatever the size of A.
+_CHUNK = 1 << 18
 
 
 # Prefixes that wrappers insert into module names; the seed must not depend on how a model is wrapped.

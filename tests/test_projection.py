@@ -305,7 +305,13 @@ def test_projection_matches_pinned_bits():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kind", KINDS)
-def test_projection_is_bit_identical_on_cuda(kind):
+def test_projection_generated_on_cuda_is_the_cpu_one(kind):
+    """Rademacher bit for bit (integers only); Gaussian within one fp32 ulp, the float64 transcendental
+    functions of two math libraries being allowed to differ in their last bit."""
     cpu = make_projection(123, 16, 256, kind)
     cuda = make_projection(123, 16, 256, kind, device="cuda")
-    assert torch.equal(cuda.cpu(), cpu)
+    assert torch.equal(splitmix64(123, 0, 4096, "cuda").cpu(), splitmix64(123, 0, 4096))
+    if kind == "rademacher":
+        assert torch.equal(cuda.cpu(), cpu)
+    else:
+        torch.testing.assert_close(cuda.cpu(), cpu, rtol=2.0**-23, atol=0)
