@@ -130,12 +130,12 @@ def _rademacher(seed: int, start: int, count: int, scale: float, device) -> torc
     ``64w + b``; set means ``+scale``. ``start`` is a multiple of 64."""
     words = splitmix64(seed, start // 64, (count + 63) // 64, device)
     # Bytes by arithmetic (not a reinterpreting view), so the order does not depend on endianness.
-    byte_shifts = torch.arange(0, 64, 8, dtype=torch.int64, device=device)
-    octets = ((words.unsqueeze(1) >> byte_shifts) & 0xFF).to(torch.uint8)
-    bit_shifts = torch.arange(8, dtype=torch.uint8, device=device)
-    bits = ((octets.unsqueeze(2) >> bit_shifts) & 1).reshape(-1)[:count]
-    # 0/1 → ±1 → ±scale: every step is exact in fp32, so the result is the same on every device.
-    return bits.to(torch.float32).mul_(2.0).sub_(1.0).mul_(torch.tensor(scale, dtype=torch.float32, device=device))
+    octets = (words.unsqueeze(1) >> torch.arange(0, 64, 8, device=device)) & 0xFF
+    # Each byte's eight signs looked up in a 256×8 table: the entries are copies of ±scale (fp32),
+    # so the result is the same on every device.
+    bits = (torch.arange(256, device=device).unsqueeze(1) >> torch.arange(8, device=device)) & 1
+    table = bits.to(torch.float32).mul_(2.0).sub_(1.0).mul_(torch.tensor(scale, dtype=torch.float32, device=device))
+    return table[octets.reshape(-1)].reshape(-1)[:count]
 
 
 def _gaussian(seed: int, start: int, count: int, scale: float, device) -> torch.Tensor:
