@@ -135,7 +135,7 @@ def _rademacher(seed: int, start: int, count: int, scale: float, device) -> torc
     # so the result is the same on every device.
     bits = (torch.arange(256, device=device).unsqueeze(1) >> torch.arange(8, device=device)) & 1
     table = bits.to(torch.float32).mul_(2.0).sub_(1.0).mul_(torch.tensor(scale, dtype=torch.float32, device=device))
-    return table[octets.reshape(-1)].reshape(-1)[:count]
+    return table.index_select(0, octets.reshape(-1)).reshape(-1)[:count]
 
 
 def _gaussian(seed: int, start: int, count: int, scale: float, device) -> torch.Tensor:
@@ -168,6 +168,8 @@ def make_projection(
     draw = _rademacher if kind == "rademacher" else _gaussian
     scale = 1.0 / math.sqrt(rank)
     count = rank * in_features
+    if count <= _CHUNK:  # one chunk: no copy into a separate output
+        return draw(seed, 0, count, scale, device).to(dtype).view(rank, in_features)
     out = torch.empty(count, dtype=dtype, device=device)
     for start in range(0, count, _CHUNK):  # _CHUNK is a multiple of 64: chunks start on a word
         stop = min(count, start + _CHUNK)
