@@ -137,7 +137,10 @@ def test_expert_factors_carry_their_own_rank():
         (lambda d: d["updates"][0]["targets"][0].update(factor=torch.ones(5, 2)), r"expected \(d, r\), r in \[3\]"),
         (lambda d: d.update(version=2), "version 2 is not supported"),  # before expert ranks
         # before the counter-based projections: its seeds would give another A
-        (lambda d: d.update(version=3), "version 3 is not supported: this side reads version 4 only .*random generator"),
+        (
+            lambda d: d.update(version=3),
+            "version 3 is not supported: this side reads version 4 only .*random generator",
+        ),
         (lambda d: d.update(expert_rank=0), "expert_rank must be a positive integer"),
         (lambda d: d.pop("expert_rank"), "missing or mistyped"),
         (lambda d: d["updates"][0]["targets"][1].update(name="layer0.weight"), "names a target twice"),
