@@ -131,10 +131,11 @@ def _rademacher(seed: int, start: int, count: int, scale: float, device) -> torc
     words = splitmix64(seed, start // 64, (count + 63) // 64, device)
     # Bytes by arithmetic (not a reinterpreting view), so the order does not depend on endianness.
     octets = (words.unsqueeze(1) >> torch.arange(0, 64, 8, device=device)) & 0xFF
-    # Each byte's eight signs looked up in a 256×8 table: the entries are copies of ±scale (fp32),
-    # so the result is the same on every device.
+    # Each byte's eight signs looked up in a 256×8 table: the entries are copies of ±scale rounded
+    # once to fp32 (a fill, no arithmetic), so the result is the same on every device.
     bits = (torch.arange(256, device=device).unsqueeze(1) >> torch.arange(8, device=device)) & 1
-    table = bits.to(torch.float32).mul_(2.0).sub_(1.0).mul_(torch.tensor(scale, dtype=torch.float32, device=device))
+    magnitude = torch.full((256, 8), scale, dtype=torch.float32, device=device)
+    table = torch.where(bits.bool(), magnitude, -magnitude)
     return table.index_select(0, octets.reshape(-1)).reshape(-1)[:count]
 
 
