@@ -681,8 +681,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume: restores state and counters and regenerates ``A`` for the saved update index,
-        so training continues bit-identically."""
+        """Resume: restores state and counters and binds the projections of the saved update index
+        (generated when used), so training continues bit-identically."""
         state_dict = dict(state_dict)
         logra = state_dict.pop("logra", None)
         non_target = state_dict.pop("non_target", None)

@@ -74,7 +74,7 @@ def projection_key(name: str, shared: bool = True) -> str:
 
     Siblings with one ``A`` each keep their own sketch ``S_W = G_W Aᵀ``, unbiased as before (``A`` is
     independent of the data); what they share is ``x Aᵀ``, computed and saved once per forward
-    instead of once per sibling, and one ``A`` in memory. The key depends on names only, so every
+    instead of once per sibling, and one ``A`` generated. The key depends on names only, so every
     party (ranks, rollout engine) derives the same one, whichever siblings are actually targets."""
     name = canonical_name(name)
     if not shared:
