@@ -1,4 +1,4 @@
-"""Learning benchmark: GRPO (TRL) on verifiable tasks, four methods, each at its best of an equal sweep.
+"""Learning benchmark: GRPO (TRL) on verifiable tasks, LoGRA and its peers, each at its best of an equal sweep.
 
 Methods (all trained by the ``logra demo`` worker from the same warm start per task and seed, each
 run in a fresh process through ``logra_optim.cli.runner``):
@@ -6,7 +6,12 @@ run in a fresh process through ``logra_optim.cli.runner``):
     ``adamw``          dense AdamW on every parameter;
     ``adamw-targets``  AdamW on exactly LoGRA's target matrices (``patch_model``'s choice), the rest frozen;
     ``lora``           peft LoRA on the same target modules, ``r = --rank``, ``lora_alpha = 2r``;
-    ``logra``          ``attach_logra`` at ``--rank``.
+    ``logra``          ``attach_logra`` at ``--rank``;
+
+and on request (``--methods``), the memory-efficient low-rank peers, on every parameter as dense AdamW:
+
+    ``galore``         GaLore (rank ``--rank``, scale 0.25) on the target matrices, AdamW on the rest;
+    ``apollo-mini``    APOLLO-Mini (rank 1, tensor-wise scaling, scale 128) on them, AdamW on the rest.
 
 Each method is swept over its own knob with the SAME number of values: the learning rate for the
 AdamW-based methods; for LoGRA the KL budget per update (``--logra-knob kl_budget``, at
@@ -25,11 +30,13 @@ every run) and ``learning.md``.
 
     python benchmarks/bench_learning.py --output benchmarks/results/learning
     python benchmarks/bench_learning.py --quick --tasks addition --seeds 0 --output /tmp/learning
+    python benchmarks/bench_learning.py --methods adamw,adamw-targets,lora,logra,galore,apollo-mini --output DIR
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import shlex
@@ -39,6 +46,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from logra_optim import LoGRAOptimizer
 from logra_optim.cli import demo, tasks
 from logra_optim.cli.arguments import (
     choice_list,
@@ -51,19 +59,36 @@ from logra_optim.cli.arguments import (
 )
 from logra_optim.cli.runner import WorkerFailed
 
-METHODS = ("adamw", "adamw-targets", "lora", "logra")
+DEFAULT_METHODS = ("adamw", "adamw-targets", "lora", "logra")
+METHODS = (*DEFAULT_METHODS, "galore", "apollo-mini")
 LOGRA_KNOBS = ("kl_budget", "update_ratio")
-# The centre of each method's default sweep (values spaced by a factor of 3 around it).
-CENTRES = {"adamw": 3e-4, "adamw-targets": 3e-4, "lora": 1e-3, "kl_budget": 3e-2, "update_ratio": 5e-2}
+# The centre of each method's default sweep (values spaced by a factor of 3 around it); GaLore's and
+# APOLLO-Mini's are the demo's rates for the tiny policy, this benchmark's default.
+TINY = demo.POLICY_RATES["tiny"]
+CENTRES = {
+    "adamw": 3e-4,
+    "adamw-targets": 3e-4,
+    "lora": 1e-3,
+    "galore": TINY.galore,
+    "apollo-mini": TINY.apollo_mini,
+    # LoGRA's budget with its default first moment: a decade below the paper rule's best (3e-2), since
+    # coherent steps add up their KL (docs/benchmarks.md, "The first moment on this benchmark").
+    "kl_budget": 3e-3,
+    "update_ratio": 5e-2,
+}
 SWEEP_FACTOR = 3.0
 # The option holding each sweep's explicit values.
 SWEEP_OPTIONS = {
     "adamw": "--adamw-lrs",
     "adamw-targets": "--adamw-targets-lrs",
     "lora": "--lora-lrs",
+    "galore": "--galore-lrs",
+    "apollo-mini": "--apollo-mini-lrs",
     "kl_budget": "--logra-budgets",
     "update_ratio": "--logra-ratios",
 }
+# The DemoSettings field of each learning-rate method's rate (the AdamW ones share adamw_lr).
+LR_FIELDS = {"lora": "lora_lr", "galore": "galore_lr", "apollo-mini": "apollo_mini_lr"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--methods",
         type=choice_list(METHODS),
-        default=list(METHODS),
+        default=list(DEFAULT_METHODS),
         help="comma-separated subset of " + ",".join(METHODS),
     )
     parser.add_argument(
@@ -100,11 +125,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=demo.DemoSettings(output="").update_ratio,
         help="LoGRA's relative step when the sweep varies kl_budget",
     )
-    parser.add_argument("--rank", type=positive_int, default=32, help="rank of LoGRA and LoRA")
-    # LoGRAOptimizer's own defaults (the paper's rule), not the demo's first moment: this race measures
-    # what a user of the optimizer gets; --beta1 0.9 --refresh-every 10 races the demo's setting.
-    parser.add_argument("--beta1", type=float, default=0.0, help="LoGRA's first-moment decay (0: none)")
-    parser.add_argument("--refresh-every", type=positive_int, default=1, help="LoGRA updates per projection")
+    parser.add_argument("--rank", type=positive_int, default=32, help="rank of LoGRA, LoRA and GaLore")
+    # LoGRAOptimizer's own defaults (a first moment, A kept 10 updates): this race measures what a user
+    # of the optimizer gets; --beta1 0 --refresh-every 1 races the paper's rule.
+    optimizer_defaults = inspect.signature(LoGRAOptimizer).parameters
+    parser.add_argument(
+        "--beta1", type=float, default=optimizer_defaults["beta1"].default, help="LoGRA's first-moment decay (0: none)"
+    )
+    parser.add_argument(
+        "--refresh-every",
+        type=positive_int,
+        default=optimizer_defaults["refresh_every"].default,
+        help="LoGRA updates per projection",
+    )
     parser.add_argument(
         "--policy", choices=sorted(demo.POLICIES), default="tiny", help="the demo's built-in policy to train"
     )
@@ -152,7 +185,7 @@ def sweeps_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> di
 def overrides(method: str, knob: str, value: float) -> dict:
     """The ``DemoSettings`` fields of one sweep setting."""
     if knob == "lr":
-        return {"lora_lr": value} if method == "lora" else {"adamw_lr": value}
+        return {LR_FIELDS.get(method, "adamw_lr"): value}
     if knob == "kl_budget":
         return {"kl_budget": value}
     return {"kl_budget": None, "update_ratio": value}  # a fixed relative step, no KL control

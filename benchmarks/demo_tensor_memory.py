@@ -57,7 +57,7 @@ def main(argv=None) -> None:
     parser.add_argument("--output", default="benchmarks/results/demo", help="the demo run whose warm start to use")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--methods", nargs="+", default=list(demo.METHODS), choices=demo.METHODS)
+    parser.add_argument("--methods", nargs="+", default=list(demo.DEFAULT_METHODS), choices=demo.METHODS)
     args = parser.parse_args(argv)
     rows = []
     for method in args.methods:

@@ -96,19 +96,22 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         seed: base seed of the projections.
         projection: ``"rademacher"`` (±1/√r) or ``"gaussian"`` (N(0, 1/r)).
         refresh: draw new projections during training (default) or keep a fixed basis.
-        refresh_every: with ``refresh``, draw a new ``A`` every this many applied updates (default 1:
-            after every update, as in the paper). Between draws the updates share one basis, in which
-            the first moment is exact.
+        refresh_every: with ``refresh``, draw a new ``A`` every this many applied updates (default
+            10; the paper draws one after every update: 1). Between draws the updates share one
+            basis, in which the first moment is exact.
         share_projections: one ``A`` for the siblings that read the same input (``q/k/v_proj``,
             ``gate/up_proj``; :data:`~logra_optim.projection.SHARED_INPUT_SIBLINGS`), so that ``x Aᵀ``
             is computed and saved once for them (default); each keeps its own unbiased sketch.
             ``False``: one ``A`` per target, as in the paper.
         alpha_max: upper bound on the step scale α chosen by KL control.
         beta1: decay of a first moment kept in sketch space (``d×r`` per target, like the sketch);
-            0 (default) builds each direction from the latest sketch alone. When ``A`` is redrawn the
-            moment is carried into the new basis by least squares
-            (:func:`~logra_optim.updates.basis_change`), which keeps little of it for an independent
-            draw: use it with ``refresh_every > 1``.
+            default 0.9. A GRPO batch's gradient is mostly noise, and averaging over batches, as
+            Adam does, is what brought LoGRA level with AdamW on the same weights in the demo
+            (docs/benchmarks.md). 0 builds each direction from the latest sketch alone (the
+            paper's rule, with ``refresh_every=1``). When ``A`` is redrawn the moment is carried
+            into the new basis by least squares (:func:`~logra_optim.updates.basis_change`), which
+            keeps little of it for an independent draw: keep ``refresh_every > 1`` with it. Coherent
+            steps add up their KL, so a first moment wants a smaller ``kl_budget`` than one without.
         beta2, eps: RowAdam's second-moment decay and relative ε.
         wire_dtype: round ``F = α η U`` to this dtype before merging (default bf16, as the authors
             do), so the trainer merges exactly the factor a rollout engine is sent; ``None`` keeps fp32.
@@ -165,10 +168,10 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         seed: int = 0,
         projection: str = "rademacher",
         refresh: bool = True,
-        refresh_every: int = 1,
+        refresh_every: int = 10,
         share_projections: bool = True,
         alpha_max: float = 3.0,
-        beta1: float = 0.0,
+        beta1: float = 0.9,
         beta2: float = 0.95,
         eps: float = 1e-8,
         wire_dtype: torch.dtype | None = torch.bfloat16,

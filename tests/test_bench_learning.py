@@ -34,6 +34,12 @@ bench = load_script("bench_learning")
         (["--logra-ratios", "0.1"], "--logra-ratios"),  # the default knob is kl_budget
         (["--adamw-lrs", "1e-4,3e-4", "--lora-lrs", "1e-3"], "same number of values"),
         (["--seeds", "0,0"], "--seeds"),
+        (["--methods", "adamw,apollo"], "--methods"),
+        (["--galore-lrs", "0"], "--galore-lrs"),
+        (["--galore-lrs", ""], "--galore-lrs"),
+        (["--apollo-mini-lrs", "1e-4,-1e-3"], "--apollo-mini-lrs"),
+        (["--methods", "adamw,galore", "--galore-lrs", "1e-3,3e-3"], "same number of values"),
+        (["--methods", "galore,apollo-mini", "--apollo-mini-lrs", "1e-4"], "--apollo-mini-lrs 1"),
         (["--beta1", "1.0"], "--beta1"),
         (["--refresh-every", "0"], "--refresh-every"),
     ],
@@ -50,11 +56,22 @@ def test_sweeps_have_equal_sizes_by_default():
     parser = bench.build_parser()
     for argv, size in ([[], 3], [["--quick"], 2], [["--sweep-size", "4"], 4]):
         sweeps = bench.sweeps_from(parser.parse_args(argv), parser)
-        assert set(sweeps) == set(bench.METHODS)
+        assert set(sweeps) == set(bench.DEFAULT_METHODS)
         assert {len(values) for _, values in sweeps.values()} == {size}
         assert all(v > 0 for _, values in sweeps.values() for v in values)
     sweeps = bench.sweeps_from(parser.parse_args(["--logra-knob", "update_ratio"]), parser)
     assert sweeps["logra"][0] == "update_ratio" and sweeps["adamw"][0] == "lr"
+    # GaLore and APOLLO-Mini race on request, with sweeps of the same size centred on the demo's rate
+    # for the tiny policy (this benchmark's).
+    assert set(bench.DEFAULT_METHODS) < set(bench.METHODS)
+    sweeps = bench.sweeps_from(parser.parse_args(["--methods", ",".join(bench.METHODS)]), parser)
+    assert {len(values) for _, values in sweeps.values()} == {3}
+    rates = bench.demo.POLICY_RATES["tiny"]
+    for method, rate in (("galore", rates.galore), ("apollo-mini", rates.apollo_mini)):
+        assert sweeps[method][0] == "lr" and sweeps[method][1] == pytest.approx([rate / 3, rate, rate * 3], rel=0.05)
+    argv = ["--methods", "galore,apollo-mini", "--galore-lrs", "1e-3,3e-3", "--apollo-mini-lrs", "1e-4,2e-4"]
+    sweeps = bench.sweeps_from(parser.parse_args(argv), parser)
+    assert sweeps == {"galore": ("lr", [1e-3, 3e-3]), "apollo-mini": ("lr", [1e-4, 2e-4])}
     assert bench.overrides("logra", "update_ratio", 0.1) == {"kl_budget": None, "update_ratio": 0.1}
 
 
@@ -67,11 +84,12 @@ def test_each_sweep_value_reaches_its_own_method():
 
     base = demo.DemoSettings(output="unused")
     shares_the_rate = {"adamw": {"adamw", "adamw-targets"}, "adamw-targets": {"adamw", "adamw-targets"}}
-    for method in ("adamw", "adamw-targets", "lora"):
+    methods = ("adamw", "adamw-targets", "lora", "galore", "apollo-mini")
+    for method in methods:
         settings = replace(base, **bench.overrides(method, "lr", 7e-5))
-        for runner in ("adamw", "adamw-targets", "lora"):
+        for runner in methods:
             rate = demo._grpo_config(settings, runner, 0, "cpu").learning_rate
-            assert (rate == 7e-5) == (runner in shares_the_rate.get(method, {"lora"})), (method, runner)
+            assert (rate == 7e-5) == (runner in shares_the_rate.get(method, {method})), (method, runner)
     assert bench.overrides("logra", "kl_budget", 0.02) == {"kl_budget": 0.02}
 
 
@@ -108,7 +126,7 @@ def test_all_four_methods_end_to_end(tmp_path):
     assert (tmp_path / "learning.md").read_text().startswith("# Learning benchmark")
     assert report["failures"] == []
     methods = report["tasks"]["addition"]["methods"]
-    assert set(methods) == set(bench.METHODS)
+    assert set(methods) == set(bench.DEFAULT_METHODS)
     for method, entry in methods.items():
         best = entry["best"]
         assert len(entry["sweep"]) == 1 and best["value"] == entry["sweep"][0]["value"]

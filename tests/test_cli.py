@@ -518,8 +518,17 @@ def test_logra_and_lora_state_match_the_real_optimizers(config):
     setting = plan_module.Setting(rank=rank, dtype="fp32", batch=1, seq=8)
     shape = Shape.from_config(config)
     predicted = plan_module.breakdown(shape, "logra", setting)
-    optimizer = LoGRAOptimizer(patch_model(build_tiny_model(config)), rank=rank)
+    model = build_tiny_model(config)
+    optimizer = LoGRAOptimizer(patch_model(model), rank=rank)
     assert predicted["sketches"] == sum(buffer.numel() * buffer.element_size() for buffer in optimizer.sketch_buffers())
+    model(
+        input_ids=torch.randint(0, config["vocab_size"], (1, 8)), labels=torch.randint(0, config["vocab_size"], (1, 8))
+    )["loss"].backward()
+    optimizer.step()  # the first moments exist from the first step
+    moments = [optimizer.state[t.weight]["first_moment"] for t in optimizer.targets]
+    assert predicted["first moments"] == sum(m.numel() * m.element_size() for m in moments)
+    without = plan_module.Setting(rank=rank, dtype="fp32", batch=1, seq=8, first_moment=False)
+    assert "first moments" not in plan_module.breakdown(shape, "logra", without)
 
     lora = lora_model(config, rank)
     adapters = sum(p.numel() for p in lora.parameters() if p.requires_grad)

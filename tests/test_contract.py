@@ -25,9 +25,11 @@ from tests.helpers.tiny import fixed_batch, sketches, sum_token_loss, tiny_qwen2
 
 RANK = 4
 SIZES = {"lr": 1e-2, "update_ratio": 1e-3}
+# The paper's rule (a new A every update, no first moment) in every combination, then the defaults'
+# first moment and slower refresh (every 2 updates here, so that two steps cross a redraw).
 VARIANTS = [
     pytest.param(
-        dict(direction=direction, refresh=refresh, **{mode: SIZES[mode]}),
+        dict(direction=direction, refresh=refresh, refresh_every=1, beta1=0.0, **{mode: SIZES[mode]}),
         id=f"{direction}-{'refresh' if refresh else 'fixed'}-{mode}",
     )
     for direction in ("rowadam", "sgd")

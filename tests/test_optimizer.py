@@ -194,7 +194,7 @@ def test_checkpoint_without_ratio_scope_resumes_with_one_step_size():
 def test_rowadam_row_moment_survives_projection_refresh():
     """The moment is indexed by output rows, so a new A (a new sketch basis) must neither reset nor
     otherwise alter it: across refreshes it follows v ← β2 v + (1−β2) mean_j S_ij² exactly."""
-    model, opt = two_linear(rank=5, direction="rowadam", update_ratio=1e-3, refresh=True)
+    model, opt = two_linear(rank=5, direction="rowadam", update_ratio=1e-3, refresh_every=1, beta1=0.0)
     generator = torch.Generator().manual_seed(1)
     moments = [torch.zeros(m.weight.shape[0], dtype=torch.float64) for _, m in targets(model)]
     previous_projection = None
@@ -212,15 +212,19 @@ def test_rowadam_row_moment_survives_projection_refresh():
             torch.testing.assert_close(moment.double(), moments[i], rtol=1e-5, atol=0)
 
 
-def test_projection_refresh_and_fixed_basis(tiny, batch):
+@pytest.mark.parametrize("refresh_every", [None, 2])
+def test_projection_refresh_and_fixed_basis(tiny, batch, refresh_every):
+    """A is redrawn after every ``refresh_every`` updates (default 10), never with ``refresh=False``."""
     patch_model(tiny)
-    opt = LoGRAOptimizer(tiny, rank=4, lr=1e-3, seed=9)
+    every = {} if refresh_every is None else {"refresh_every": refresh_every}
+    opt = LoGRAOptimizer(tiny, rank=4, lr=1e-3, seed=9, **every)
     fixed_model = patch_model(tiny_qwen2())
     fixed = LoGRAOptimizer(fixed_model, rank=4, lr=1e-3, seed=9, refresh=False)
     for model in (tiny, fixed_model):
         model.train()
-    for update in range(3):
-        for model, optimizer, index in ((tiny, opt, update), (fixed_model, fixed, 0)):
+    period = refresh_every or 10
+    for update in range(period + 1):
+        for model, optimizer, index in ((tiny, opt, update // period), (fixed_model, fixed, 0)):
             assert optimizer.projection_index == index
             for name, module in targets(model):
                 seed = projection_seed(9, index, projection_key(name))

@@ -171,7 +171,8 @@ def test_corrupt_bytes_are_rejected():
 @pytest.mark.parametrize("wire_dtype", [torch.bfloat16, None])
 def test_merge_hook_reports_exactly_the_merged_update(wire_dtype):
     model = patch_model(TwoLinear(), target_modules=["up", "down"])
-    optimizer = LoGRAOptimizer(model, rank=3, update_ratio=1e-2, wire_dtype=wire_dtype, seed=5)
+    # A new A every update, so that each payload's seed is checked at a new projection index.
+    optimizer = LoGRAOptimizer(model, rank=3, update_ratio=1e-2, wire_dtype=wire_dtype, seed=5, refresh_every=1)
     recorder = UpdateRecorder(optimizer)
     generator = torch.Generator().manual_seed(0)
     for step in range(3):

@@ -49,10 +49,11 @@ from pathlib import Path
 
 import torch
 
-from logra_optim import LoGRAOptimizer, find_experts_modules, find_target_modules, patch_model
+from logra_optim import LoGRAOptimizer, patch_model
 
 from .arguments import choice_list, device, int_list, model_dir, positive_float, positive_int, writable_dir
 from .measure import GIB, memory_baseline, peak_memory, ratio, resolve_device, synchronize
+from .peers import FIXED_RANKS, LOW_RANK_PEERS, lora_model, low_rank_optimizer, train_only_targets, trainable
 from .runner import run_fresh
 from .shapes import DEFAULT_LAYERS, PRESETS, Shape, preset_config
 
@@ -72,8 +73,6 @@ METHODS = (
 DEFAULT_METHODS = tuple(m for m in METHODS if m != "adamw-targets")
 # Methods without a rank (``frozen`` is the floor), and the references whose ratios the table shows.
 DENSE = ("adamw", "adamw-targets", "adamw8bit", "frozen")
-# APOLLO-Mini is rank 1 by definition, whatever --rank says.
-FIXED_RANKS = {"apollo-mini": 1}
 REFERENCES = {"adamw": "AdamW", "adamw-targets": "AdamW targets"}
 # The dense optimizers' settings (also the distributed benchmark's).
 DENSE_ADAMW = dict(lr=1e-6, betas=(0.9, 0.95))
@@ -84,11 +83,6 @@ OPTIONAL_MODULES = {
     "apollo": "apollo_torch",
     "apollo-mini": "apollo_torch",
     "flora": "flora_opt",
-}
-# APOLLO's README settings: APOLLO (rank r, channel-wise) and APOLLO-Mini (rank 1, tensor-wise).
-APOLLO_SETTINGS = {
-    "apollo": {"proj": "random", "scale_type": "channel", "scale": 1, "update_proj_gap": 200, "proj_type": "std"},
-    "apollo-mini": {"proj": "random", "scale_type": "tensor", "scale": 128, "update_proj_gap": 200, "proj_type": "std"},
 }
 
 
@@ -206,49 +200,15 @@ def make_optimizer(
             probe_dtype=probe_dtype,
         )
         return model, optimizer
-    targets = find_target_modules(model)
-    # Stacked experts (mixture of experts): LoGRA's targets too; GaLore, APOLLO and Flora treat them
-    # as any other parameter.
-    experts = [
-        (f"{name}.{attribute}", getattr(m, attribute))
-        for name, m, names in find_experts_modules(model)
-        for attribute in names
-    ]
+    # Stacked experts (mixture of experts) are LoGRA's targets too (peers.py); Flora treats them as any
+    # other parameter.
     if method == "adamw-targets":
-        weights = {id(module.weight) for _, module in targets} | {id(weight) for _, weight in experts}
-        for parameter in model.parameters():
-            parameter.requires_grad_(id(parameter) in weights)
-        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **DENSE_ADAMW)
+        return model, torch.optim.AdamW(trainable(train_only_targets(model)), **DENSE_ADAMW)
     if method == "lora":
-        from peft import LoraConfig, get_peft_model
-
-        names = sorted({name.rsplit(".", 1)[-1] for name, _ in targets})
-        parameters = sorted({".".join(name.split(".")[-3:]) for name, _ in experts}) or None  # mlp.experts.down_proj
-        config = LoraConfig(
-            r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=names, target_parameters=parameters
-        )
-        model = get_peft_model(model, config)
-        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **DENSE_ADAMW)
-    if method == "galore":
-        from galore_torch import GaLoreAdamW
-
-        low_rank = {id(module.weight) for _, module in targets}
-        galore = [p for p in model.parameters() if id(p) in low_rank]
-        regular = [p for p in model.parameters() if id(p) not in low_rank]
-        galore_settings = {"rank": rank, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}
-        groups = [{"params": regular}, {"params": galore, **galore_settings}]
-        return model, GaLoreAdamW(groups, **DENSE_ADAMW)
-    if method in APOLLO_SETTINGS:
-        from apollo_torch import APOLLOAdamW
-
-        low_rank = {id(module.weight) for _, module in targets}
-        apollo = [p for p in model.parameters() if id(p) in low_rank]
-        regular = [p for p in model.parameters() if id(p) not in low_rank]
-        groups = [
-            {"params": regular},
-            {"params": apollo, "rank": FIXED_RANKS.get(method, rank), **APOLLO_SETTINGS[method]},
-        ]
-        return model, APOLLOAdamW(groups, **DENSE_ADAMW)
+        model = lora_model(model, rank)
+        return model, torch.optim.AdamW(trainable(model), **DENSE_ADAMW)
+    if method in LOW_RANK_PEERS:
+        return model, low_rank_optimizer(model, method, rank, **DENSE_ADAMW)
     if method == "flora":
         from flora_opt.optimizers.torch import Flora
 

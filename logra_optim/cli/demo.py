@@ -12,7 +12,8 @@ What it does, and why each piece is there:
    two-line change of the README), dense AdamW on every parameter, AdamW on exactly LoGRA's target
    matrices, and LoRA on the same target modules; each seed in a fresh process
    (``runner.run_fresh``) so that peak memory is the run's own (RSS above the post-import level on
-   CPU, the allocator's peak on CUDA).
+   CPU, the allocator's peak on CUDA). On request (``--methods``), the memory-efficient low-rank
+   peers too: GaLore and APOLLO-Mini on the target matrices, AdamW on the rest (``peers.py``).
 4. **Evaluation.** Greedy decoding on held-out problems before RL, every ``--eval-every`` updates
    and after RL: mean reward and exact accuracy, which the noisy sampled training reward cannot
    show. Evaluation time is not counted in the time per update.
@@ -38,13 +39,31 @@ import torch
 from . import tasks
 from .arguments import choice_list, device, int_list, model_dir, positive_float, positive_int, writable_dir
 from .measure import MIB, faster_probe_dtype, memory_baseline, peak_memory, ratio, resolve_device, synchronize
+from .peers import LOW_RANK_PEERS, lora_model, low_rank_optimizer, train_only_targets
 from .runner import run_fresh
 
-# LoGRA and the three ways to train the same model it is measured against: dense AdamW on every
-# parameter, AdamW on exactly LoGRA's target matrices, and LoRA on the same target modules.
-METHODS = ("logra", "adamw", "adamw-targets", "lora")
-COLORS = {"logra": "tab:blue", "adamw": "tab:orange", "adamw-targets": "tab:green", "lora": "tab:red"}
-LABELS = {"logra": "LoGRA", "adamw": "dense AdamW", "adamw-targets": "AdamW on LoGRA's targets", "lora": "LoRA"}
+# LoGRA and the three ways to train the same model it is measured against by default: dense AdamW
+# on every parameter, AdamW on exactly LoGRA's target matrices, and LoRA on the same target modules;
+# on request, the memory-efficient peers GaLore and APOLLO-Mini (every parameter, their low-rank rule
+# on the target matrices). METHODS' order is the table's and the plots'.
+DEFAULT_METHODS = ("logra", "adamw", "adamw-targets", "lora")
+METHODS = (*DEFAULT_METHODS, "galore", "apollo-mini")
+COLORS = {
+    "logra": "tab:blue",
+    "adamw": "tab:orange",
+    "adamw-targets": "tab:green",
+    "lora": "tab:red",
+    "galore": "tab:purple",
+    "apollo-mini": "tab:brown",
+}
+LABELS = {
+    "logra": "LoGRA",
+    "adamw": "dense AdamW",
+    "adamw-targets": "AdamW on LoGRA's targets",
+    "lora": "LoRA",
+    "galore": "GaLore",
+    "apollo-mini": "APOLLO-Mini",
+}
 SPECIAL_TOKENS = {"pad": "<pad>", "eos": "<eos>", "unk": "<unk>", "bos": "<bos>"}
 EVAL_PROBLEMS = 256
 EVAL_SEED = 65_535  # training draws use seeds 0…, 10 000 + seed (warm start) and 20 000 (validation)
@@ -88,6 +107,8 @@ class DemoSettings:
     # Learning rates; None: the policy's (POLICY_RATES).
     adamw_lr: float | None = None  # dense AdamW and AdamW on the targets
     lora_lr: float | None = None
+    galore_lr: float | None = None
+    apollo_mini_lr: float | None = None
     eval_every: int = 50  # greedy evaluation every this many updates (0: before and after RL only)
     warm_start_steps: int = 1000
     warm_start_reward: float = 0.45
@@ -95,7 +116,7 @@ class DemoSettings:
     batch_size: int = 32  # completions per update: 4 prompts × num_generations
     num_generations: int = 8
     seeds: list[int] = field(default_factory=lambda: [0])
-    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
     model: str | None = None
     policy: str = "medium"  # the built-in policy without --model: a key of POLICIES
     device: str = "auto"
@@ -109,7 +130,15 @@ class DemoSettings:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         self.adamw_lr = self.adamw_lr or rates.adamw
         self.lora_lr = self.lora_lr or rates.lora
+        self.galore_lr = self.galore_lr or rates.galore
+        self.apollo_mini_lr = self.apollo_mini_lr or rates.apollo_mini
         self.warm_start_lr = self.warm_start_lr or rates.warm_start
+
+    def learning_rate(self, method: str) -> float:
+        """The learning rate ``method`` trains at (LoGRA's optimizer takes none: the AdamW one is the
+        trainer's unused setting)."""
+        rates = {"lora": self.lora_lr, "galore": self.galore_lr, "apollo-mini": self.apollo_mini_lr}
+        return rates.get(method, self.adamw_lr)
 
     @property
     def style(self) -> str:
@@ -150,6 +179,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--lora-lr", type=positive_float, default=None, help="LoRA's learning rate (default: the policy's)"
     )
     parser.add_argument(
+        "--galore-lr", type=positive_float, default=None, help="GaLore's learning rate (default: the policy's)"
+    )
+    parser.add_argument(
+        "--apollo-mini-lr",
+        type=positive_float,
+        default=None,
+        help="APOLLO-Mini's learning rate (default: the policy's)",
+    )
+    parser.add_argument(
         "--eval-every", type=int, default=defaults.eval_every, help="greedy evaluation every N updates (0: off)"
     )
     parser.add_argument(
@@ -174,8 +212,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--methods",
         type=choice_list(METHODS),
-        default=list(METHODS),
-        help="comma-separated subset of " + ",".join(METHODS),
+        default=list(DEFAULT_METHODS),
+        help=f"comma-separated subset of {','.join(METHODS)} (default: {','.join(DEFAULT_METHODS)})",
     )
     parser.add_argument("--device", type=device, default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument(
@@ -214,6 +252,8 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         refresh_every=args.refresh_every,
         adamw_lr=args.adamw_lr,
         lora_lr=args.lora_lr,
+        galore_lr=args.galore_lr,
+        apollo_mini_lr=args.apollo_mini_lr,
         eval_every=args.eval_every,
         warm_start_steps=warm,
         seeds=args.seeds,
@@ -271,6 +311,8 @@ class PolicyRates:
     adamw: float  # dense AdamW and AdamW on the targets
     lora: float
     warm_start: float  # the supervised warm start's AdamW
+    galore: float  # GaLore on the targets, AdamW on the rest
+    apollo_mini: float  # APOLLO-Mini on the targets, AdamW on the rest
 
 
 # The tiny policy's are the learning benchmark's (LoRA: 3e-4 and 1e-3 tied there; 1e-3 collapses on
@@ -278,13 +320,26 @@ class PolicyRates:
 # 1e-4 and above); LoRA's best there is 3e-4 and LoGRA's KL budget 3e-2, as on the tiny one. Best
 # means the highest sampled-reward AUC, as in the learning benchmark. The medium policy's warm start
 # at 2e-3 takes 440 supervised steps to the target reward, at 1e-3 120.
+# GaLore and APOLLO-Mini are not swept here yet (bench_learning.py --methods galore,apollo-mini does):
+# their rates are chosen so that an update moves the policy about as far as AdamW's does at its rate,
+# by the realised KL per update of the demo's meter, because their scales make a learning rate mean
+# another step. GaLore's step is 0.25 × a rank-r Adam step projected back, per entry about
+# sqrt(r / min(d_out, d_in)) / 4 of a dense Adam step (0.04× on the medium policy's 1024-wide matrices
+# at rank 32, 0.13× on the tiny's), but along the gradient's top singular directions, where it moves
+# the outputs most; APOLLO-Mini's is the raw gradient rescaled by sqrt(128) × the norm of a rank-1 Adam
+# step, about 11 / sqrt(min(d_out, d_in)) of AdamW's per entry (≈ 1× tiny, 0.35× medium), again along
+# the gradient. Measured (seed 0, 15–20 updates, median KL/update over AdamW's at its rate): tiny,
+# GaLore 2e-3 2.5×, APOLLO-Mini 3e-4 2.7×; medium, GaLore 3e-4 1.7× (1e-3: 13×, and the reward fell),
+# APOLLO-Mini 3e-5 1.8× (1e-4: 14×). KL grows as the rate squared, so on the 1–3 grid of the rates: GaLore
+# 1e-3 tiny (≈ 0.6×) and 3e-4 medium (10× AdamW's, the ratio of GaLore's paper at scale 0.25);
+# APOLLO-Mini at AdamW's rate. The small policy takes the tiny one's, ``--model`` the medium's ratios.
 POLICY_RATES = {
-    "tiny": PolicyRates(adamw=3e-4, lora=3e-4, warm_start=2e-3),
-    "small": PolicyRates(adamw=3e-4, lora=3e-4, warm_start=2e-3),
-    "medium": PolicyRates(adamw=3e-5, lora=3e-4, warm_start=1e-3),
+    "tiny": PolicyRates(adamw=3e-4, lora=3e-4, warm_start=2e-3, galore=1e-3, apollo_mini=3e-4),
+    "small": PolicyRates(adamw=3e-4, lora=3e-4, warm_start=2e-3, galore=1e-3, apollo_mini=3e-4),
+    "medium": PolicyRates(adamw=3e-5, lora=3e-4, warm_start=1e-3, galore=3e-4, apollo_mini=3e-5),
 }
 # ``--model``: a pretrained causal LM; not tuned here, set the rates for it.
-MODEL_RATES = PolicyRates(adamw=3e-4, lora=3e-4, warm_start=1e-3)
+MODEL_RATES = PolicyRates(adamw=3e-4, lora=3e-4, warm_start=1e-3, galore=3e-3, apollo_mini=3e-4)
 
 
 def build_policy(tokenizer, seed: int, size: str = "tiny"):
@@ -413,7 +468,7 @@ def _grpo_config(settings: DemoSettings, method: str, seed: int, device: str):
         num_generations=settings.num_generations,
         max_completion_length=tasks.answer_length(settings.task, settings.digits) + 1,
         temperature=1.0,
-        learning_rate=settings.lora_lr if method == "lora" else settings.adamw_lr,
+        learning_rate=settings.learning_rate(method),
         lr_scheduler_type="constant",
         warmup_steps=0,
         weight_decay=0.0,
@@ -436,30 +491,41 @@ def prepare_model(model, method: str, rank: int):
     """The model ``method`` trains, before the trainer is built: ``adamw-targets`` freezes everything
     but the weights of LoGRA's targets (``patch_model``'s choice, no sketching); ``lora`` wraps the
     same target modules in peft LoRA adapters (``r = rank``, ``lora_alpha = 2r``, no dropout, base
-    frozen). ``adamw`` and ``logra`` (which ``attach_logra`` patches) take the model as it is. The
-    trainer's AdamW then updates exactly the parameters left trainable."""
+    frozen). ``adamw``, ``logra`` (which ``attach_logra`` patches), ``galore`` and ``apollo-mini``
+    take the model as it is. The trainer's optimizer then updates exactly the parameters left
+    trainable (see ``peers.py``)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-    if method not in ("adamw-targets", "lora"):
-        return model
-    from logra_optim import find_target_modules
-
-    targets = find_target_modules(model)
     if method == "adamw-targets":
-        weights = {id(module.weight) for _, module in targets}
-        for parameter in model.parameters():
-            parameter.requires_grad_(id(parameter) in weights)
-        return model
-    from peft import LoraConfig, get_peft_model
+        return train_only_targets(model)
+    if method == "lora":
+        return lora_model(model, rank)
+    return model
 
-    names = sorted({name.rsplit(".", 1)[-1] for name, _ in targets})
-    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=names))
+
+def peer_optimizer(model, method: str, args, rank: int):
+    """For a low-rank peer (``galore``, ``apollo-mini``): its optimizer over every parameter of
+    ``model`` (GaLore at ``rank``; APOLLO-Mini is rank 1), with the trainer's AdamW settings
+    (``args``: the ``GRPOConfig``), for ``GRPOTrainer(optimizers=(optimizer, None))``; ``None`` for
+    every other method (the trainer builds its AdamW, or LoGRA replaces it). The trainer still builds
+    its scheduler around a given optimizer: ``constant`` multiplies each group's learning rate
+    by 1, so the rate given here is the one trained at."""
+    if method not in LOW_RANK_PEERS:
+        return None
+    adamw = dict(
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+        weight_decay=args.weight_decay,
+    )
+    return low_rank_optimizer(model, method, rank, **adamw)
 
 
 def run_worker(spec: dict) -> dict:
     """Train from the warm-start checkpoint with ``spec["method"]`` (one of ``METHODS``) in
     this fresh process; return the record. The AdamW methods train at ``settings.adamw_lr``, LoRA at
-    ``settings.lora_lr``, LoGRA at ``settings.kl_budget`` (``None``: no KL control, a fixed relative step) and
+    ``settings.lora_lr``, GaLore and APOLLO-Mini at ``settings.galore_lr`` and ``settings.apollo_mini_lr``,
+    LoGRA at ``settings.kl_budget`` (``None``: no KL control, a fixed relative step) and
     ``settings.update_ratio``."""
     from datasets import Dataset
     from trl import GRPOTrainer
@@ -481,13 +547,15 @@ def run_worker(spec: dict) -> dict:
     )
     dataset = Dataset.from_dict({"prompt": [p.prompt for p in problems], "answer": [p.answer for p in problems]})
     evaluations, meter = greedy_evaluations(settings, tokenizer, device), kl_meter(device)
+    args = _grpo_config(settings, method, seed, device)
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=tasks.reward,
-        args=_grpo_config(settings, method, seed, device),
+        args=args,
         train_dataset=dataset,
         processing_class=tokenizer,
         callbacks=[progress_callback(settings.steps), evaluations, meter],
+        optimizers=(peer_optimizer(model, method, args, settings.rank), None),
     )
     probe_dtype = None
     if method == "logra":
@@ -534,7 +602,15 @@ def run_worker(spec: dict) -> dict:
         "probe_dtype": probe_dtype,
         # What the optimizer updates (LoGRA's targets take no .grad, so requires_grad undercounts them).
         "trained_params": sum(p.numel() for group in trainer.optimizer.param_groups for p in group["params"]),
+        # The optimizer that trained (accelerate wraps it) and the learning rates its groups ended at.
+        "optimizer": _qualified_name(type(getattr(trainer.optimizer, "optimizer", trainer.optimizer))),
+        "learning_rates": sorted({g["lr"] for g in trainer.optimizer.param_groups if g.get("lr") is not None}),
     }
+
+
+def _qualified_name(cls: type) -> str:
+    """``module.Class``: GaLore's and APOLLO's optimizers are both classes named ``AdamW``."""
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def greedy_evaluations(settings: DemoSettings, tokenizer, device: str):

@@ -11,8 +11,9 @@ Mistral-style decoders: attention q/k/v/o and a gated MLP per layer), for a per-
 * **LoRA** (rank ``r`` on the same targets, fp32 adapters): per target ``(d + k) r`` adapter
   parameters with gradients and two moments; activations: the linear layers' inputs as in dense
   training (each adapter's ``lora_A`` keeps its input) plus the ``r``-wide adapter outputs.
-* **LoGRA**: per target the fp32 sketch ``d × r`` and one fp32 RowAdam statistic per row,
-  replicated on every GPU (each rank sketches its own tokens, then they are averaged). The
+* **LoGRA**: per target the fp32 sketch ``d × r``, the fp32 first moment of the same shape (the
+  default ``beta1=0.9``; ``--no-first-moment`` for ``beta1=0``) and one fp32 RowAdam statistic per
+  row, replicated on every GPU (each rank sketches its own tokens, then they are averaged). The
   projections ``A`` are not kept: each is generated where it is used (forward, step size, merge)
   and freed, so what they add is a transient of at most two of them at once, counted as two fp32
   ``r × k`` of the widest input (q/k/v share one ``A``, gate/up share one: ``share_projections``,
@@ -64,6 +65,7 @@ class Setting:
     gpus: int = 1
     sharded: bool = True
     checkpointing: bool = True
+    first_moment: bool = True  # LoGRA's beta1 > 0 (its default)
 
     @property
     def tokens(self) -> int:
@@ -130,6 +132,8 @@ def breakdown(shape: Shape, method: str, setting: Setting) -> dict[str, float]:
     else:
         outs = shape.layers * sum(d * n for d, _, n in shape.targets())
         parts["sketches"] = 4 * shape.layers * sum(d * n * setting.rank_for(n) for d, _, n in shape.targets())
+        if setting.first_moment:
+            parts["first moments"] = parts["sketches"]
         parts["projections (transient)"] = 2 * 4 * _largest_projection(shape, setting)
         parts["row statistics"] = 4 * outs
 
@@ -185,6 +189,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "FSDP full shard / ZeRO-3 shard weights, gradients and optimizer state over --gpus)",
     )
     parser.add_argument("--no-checkpointing", action="store_true", help="keep every layer's activations")
+    parser.add_argument(
+        "--no-first-moment", action="store_true", help="LoGRA with beta1=0: no first moment in sketch space"
+    )
     parser.add_argument("--layers", type=positive_int, help="override the config's layer count")
     parser.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU, for the 'fits' row")
     parser.add_argument("--measured", help="a `logra bench` bench.json to compare with (same shape and batch)")
@@ -211,6 +218,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
         gpus=args.gpus,
         sharded=not args.replicated,
         checkpointing=not args.no_checkpointing,
+        first_moment=not args.no_first_moment,
     )
     predictions = {method: breakdown(shape, method, setting) for method in METHODS}
     if args.gpu_memory <= 0:

@@ -1,0 +1,142 @@
+"""``logra demo``'s memory-efficient peers, GaLore and APOLLO-Mini, trained by the demo's own worker
+(a real TRL ``GRPOTrainer``, the tiny policy, 3 updates): each trains every parameter with its own
+optimizer at the learning rate given, its low-rank rule on exactly LoGRA's target matrices; and the
+options that choose them."""
+
+from __future__ import annotations
+
+import argparse
+import io
+from dataclasses import asdict
+
+import pytest
+import torch
+
+from logra_optim import find_target_modules
+from logra_optim.cli import demo
+from tests.test_cli import usage_error
+
+GALORE_LR, APOLLO_MINI_LR = 3e-3, 5e-4
+
+
+@pytest.fixture(scope="module")
+def warm_settings(tmp_path_factory):
+    """Settings for 3 updates of the tiny policy, its warm start (20 supervised steps) prepared."""
+    from rich.console import Console
+
+    settings = demo.DemoSettings(
+        output=str(tmp_path_factory.mktemp("demo")),
+        policy="tiny",
+        steps=3,
+        eval_every=0,
+        warm_start_steps=20,
+        methods=["galore", "apollo-mini"],
+        galore_lr=GALORE_LR,
+        apollo_mini_lr=APOLLO_MINI_LR,
+        device="cpu",
+    )
+    demo.prepare_warm_starts(settings, "cpu", Console(file=io.StringIO()))
+    return settings
+
+
+@pytest.mark.parametrize(
+    "method, module, rank, lr",
+    [("galore", "galore_torch", 32, GALORE_LR), ("apollo-mini", "apollo_torch", 1, APOLLO_MINI_LR)],
+)
+def test_demo_worker_trains_the_low_rank_peers(warm_settings, monkeypatch, method, module, rank, lr):
+    import trl
+
+    seen = {}
+    train = trl.GRPOTrainer.train
+
+    def observed_train(trainer, *args, **kwargs):
+        seen["before"] = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+        seen["trainer"] = trainer
+        return train(trainer, *args, **kwargs)
+
+    monkeypatch.setattr(trl.GRPOTrainer, "train", observed_train)
+    record = demo.run_worker({"settings": asdict(warm_settings), "method": method, "seed": 0})
+    trainer = seen["trainer"]
+    optimizer = trainer.optimizer.optimizer  # accelerate's wrapper around the one the worker passed
+    assert type(optimizer).__module__.startswith(module + ".")
+    assert record["optimizer"] == f"{type(optimizer).__module__}.AdamW"
+    # TRL built its constant scheduler around the given optimizer: every group trained at the rate given.
+    assert trainer.lr_scheduler.get_last_lr() == [lr, lr]
+    assert [group["lr"] for group in optimizer.param_groups] == [lr, lr] and record["learning_rates"] == [lr]
+    assert [entry["learning_rate"] for entry in trainer.state.log_history if "learning_rate" in entry] == [lr] * 3
+    # The low-rank rule on exactly LoGRA's target matrices; plain AdamW on the rest: every parameter.
+    model = trainer.model
+    targets = find_target_modules(model)
+    regular, projected = optimizer.param_groups
+    assert {id(p) for p in projected["params"]} == {id(m.weight) for _, m in targets}
+    assert projected["rank"] == rank and "rank" not in regular
+    assert record["trained_params"] == sum(p.numel() for p in model.parameters())
+    assert all(p.requires_grad for p in model.parameters())
+    parameters = dict(model.named_parameters())
+    for name, _ in targets:
+        assert not torch.equal(seen["before"][f"{name}.weight"], parameters[f"{name}.weight"]), name
+    assert not torch.equal(seen["before"]["model.norm.weight"], parameters["model.norm.weight"])
+    assert record["method"] == method and len(record["train_rewards"]) == 3 and len(record["kl_per_update"]) == 3
+
+
+def test_peers_are_opt_in_with_their_own_learning_rates(tmp_path):
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    args = parser.parse_args(["--output", str(tmp_path)])
+    settings = demo.settings_from(args, parser)
+    assert settings.methods == list(demo.DEFAULT_METHODS) and "galore" not in settings.methods
+    rates = demo.POLICY_RATES["medium"]
+    assert (settings.galore_lr, settings.apollo_mini_lr) == (rates.galore, rates.apollo_mini)
+    argv = ["--methods", "galore,apollo-mini", "--galore-lr", "1e-3", "--apollo-mini-lr", "2e-4", "--output", "x"]
+    settings = demo.settings_from(parser.parse_args(argv), parser)
+    assert settings.methods == ["galore", "apollo-mini"]
+    assert (settings.learning_rate("galore"), settings.learning_rate("apollo-mini")) == (1e-3, 2e-4)
+    assert settings.learning_rate("adamw") == rates.adamw and settings.learning_rate("lora") == rates.lora
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--methods", "logra,apollo"], "--methods"),
+        (["--galore-lr", "0"], "--galore-lr"),
+        (["--apollo-mini-lr", "-1e-4"], "--apollo-mini-lr"),
+        (["--apollo-mini-lr", "inf"], "--apollo-mini-lr"),
+    ],
+)
+def test_bad_peer_options_name_the_option(capsys, tmp_path, argv, expected):
+    assert expected in usage_error(capsys, "demo", *argv, "--output", str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_summaries_table_and_plots_take_the_peers(tmp_path):
+    """The demo's summary, table and plots, and the learning benchmark's table, name the peers, in
+    ``METHODS``' order, whatever order the runs came in."""
+    from tests.helpers.scripts import load_script
+
+    def record(method, seed):
+        evaluation = {"reward": 0.5, "accuracy": 0.25}
+        return {
+            "method": method,
+            "seed": seed,
+            "before": evaluation,
+            "after": evaluation,
+            "train_rewards": [0.25, 0.5, 0.75],
+            "evaluations": [[0, 0.5], [3, 0.5]],
+            "kl_per_update": [1e-3, 2e-3, 3e-3],
+            "peak_bytes": 2**20 * (2 if method == "adamw" else 1),
+            "seconds_per_update": 0.1,
+            "trained_params": 100,
+        }
+
+    records = [record(method, seed) for seed in (0, 1) for method in ("apollo-mini", "galore", "adamw")]
+    rows = demo.summarize(records)
+    assert [row["method"] for row in rows] == ["adamw", "galore", "apollo-mini"]
+    headers, cells = demo.table_rows(rows)
+    assert [cell[0] for cell in cells] == ["dense AdamW", "GaLore", "APOLLO-Mini"]
+    assert cells[1][headers.index("memory / AdamW")] == "0.50×"
+    assert [path.name for path in demo.plot(records, rows, tmp_path)] == ["reward.png", "memory.png"]
+    best = {"knob": "lr", "value": 1e-3, "seeds": [0], "failed_seeds": [], "auc": 0.5, "auc_std": 0.0}
+    best |= dict.fromkeys(("final", "greedy_after", "kl_measured", "train_seconds"), 0.5)
+    entries = {method: {"best": best, "sweep": [best]} for method in ("galore", "apollo-mini")}
+    labels = [row[0] for row in load_script("bench_learning").table_rows({"methods": entries})]
+    assert labels == ["GaLore", "APOLLO-Mini"]
