@@ -139,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="LoGRA updates per projection",
     )
     parser.add_argument(
+        "--peer-scope",
+        choices=demo.PEER_SCOPES,
+        default="all",
+        help="what GaLore and APOLLO-Mini train: all parameters, or only LoGRA's targets (the rest frozen)",
+    )
+    parser.add_argument(
         "--policy", choices=sorted(demo.POLICIES), default="tiny", help="the demo's built-in policy to train"
     )
     parser.add_argument(
@@ -396,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
             "probe_samples": args.probe_samples,
             "final_window": window,
             "digits": args.digits,
+            "peer_scope": args.peer_scope,
             "device": device_name,
         },
         "tasks": {},
@@ -422,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
             probe_samples=args.probe_samples,
             probe_dtype=None,  # as the stored results were measured
             warm_start_lr=args.warm_start_lr,
+            peer_scope=args.peer_scope,
         )
         if args.quick:
             base.batch_size = 32

@@ -140,3 +140,24 @@ def test_summaries_table_and_plots_take_the_peers(tmp_path):
     entries = {method: {"best": best, "sweep": [best]} for method in ("galore", "apollo-mini")}
     labels = [row[0] for row in load_script("bench_learning").table_rows({"methods": entries})]
     assert labels == ["GaLore", "APOLLO-Mini"]
+
+
+@pytest.mark.parametrize("method, rank", [("galore", 32), ("apollo-mini", 1)])
+def test_peer_scope_targets_trains_only_logra_targets(method, rank):
+    """``--peer-scope targets``: the same trained set as LoGRA (everything else frozen), the low-rank
+    rule on all of it, no AdamW group left over."""
+    from logra_optim.cli.peers import low_rank_optimizer
+    from tests.helpers.tiny import tiny_qwen2
+
+    model = demo.prepare_model(tiny_qwen2(), method, rank=32, peer_scope="targets")
+    targets = {id(module.weight) for _, module in find_target_modules(model)}
+    assert {id(p) for p in model.parameters() if p.requires_grad} == targets
+    optimizer = low_rank_optimizer(model, method, 32, lr=1e-3)
+    (group,) = optimizer.param_groups
+    assert {id(p) for p in group["params"]} == targets and group["rank"] == rank
+
+
+def test_a_bad_peer_scope_is_refused_by_name(capsys, tmp_path):
+    with pytest.raises(ValueError, match="peer_scope must be one of all, targets, got 'some'"):
+        demo.DemoSettings(output=str(tmp_path), peer_scope="some")
+    assert "--peer-scope" in usage_error(capsys, "demo", "--peer-scope", "some", "--output", str(tmp_path / "out"))

@@ -48,6 +48,7 @@ from .runner import run_fresh
 # on the target matrices). METHODS' order is the table's and the plots'.
 DEFAULT_METHODS = ("logra", "adamw", "adamw-targets", "lora")
 METHODS = (*DEFAULT_METHODS, "galore", "apollo-mini")
+PEER_SCOPES = ("all", "targets")
 COLORS = {
     "logra": "tab:blue",
     "adamw": "tab:orange",
@@ -109,6 +110,10 @@ class DemoSettings:
     lora_lr: float | None = None
     galore_lr: float | None = None
     apollo_mini_lr: float | None = None
+    # What GaLore and APOLLO-Mini train: "all" parameters (their rule on LoGRA's target matrices,
+    # AdamW on the rest, as their users run them) or only LoGRA's "targets" (the rest frozen, the
+    # same trained set as LoGRA, AdamW on the targets and LoRA).
+    peer_scope: str = "all"
     eval_every: int = 50  # greedy evaluation every this many updates (0: before and after RL only)
     warm_start_steps: int = 1000
     warm_start_reward: float = 0.45
@@ -133,6 +138,8 @@ class DemoSettings:
         self.galore_lr = self.galore_lr or rates.galore
         self.apollo_mini_lr = self.apollo_mini_lr or rates.apollo_mini
         self.warm_start_lr = self.warm_start_lr or rates.warm_start
+        if self.peer_scope not in PEER_SCOPES:
+            raise ValueError(f"peer_scope must be one of {', '.join(PEER_SCOPES)}, got {self.peer_scope!r}")
 
     def learning_rate(self, method: str) -> float:
         """The learning rate ``method`` trains at (LoGRA's optimizer takes none: the AdamW one is the
@@ -186,6 +193,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_float,
         default=None,
         help="APOLLO-Mini's learning rate (default: the policy's)",
+    )
+    parser.add_argument(
+        "--peer-scope",
+        choices=PEER_SCOPES,
+        default=defaults.peer_scope,
+        help="what GaLore and APOLLO-Mini train: all parameters, or only LoGRA's targets (the rest frozen)",
     )
     parser.add_argument(
         "--eval-every", type=int, default=defaults.eval_every, help="greedy evaluation every N updates (0: off)"
@@ -254,6 +267,7 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         lora_lr=args.lora_lr,
         galore_lr=args.galore_lr,
         apollo_mini_lr=args.apollo_mini_lr,
+        peer_scope=args.peer_scope,
         eval_every=args.eval_every,
         warm_start_steps=warm,
         seeds=args.seeds,
@@ -487,16 +501,17 @@ def _grpo_config(settings: DemoSettings, method: str, seed: int, device: str):
     )
 
 
-def prepare_model(model, method: str, rank: int):
+def prepare_model(model, method: str, rank: int, peer_scope: str = "all"):
     """The model ``method`` trains, before the trainer is built: ``adamw-targets`` freezes everything
     but the weights of LoGRA's targets (``patch_model``'s choice, no sketching); ``lora`` wraps the
     same target modules in peft LoRA adapters (``r = rank``, ``lora_alpha = 2r``, no dropout, base
-    frozen). ``adamw``, ``logra`` (which ``attach_logra`` patches), ``galore`` and ``apollo-mini``
-    take the model as it is. The trainer's optimizer then updates exactly the parameters left
-    trainable (see ``peers.py``)."""
+    frozen); ``galore`` and ``apollo-mini`` freeze the same as ``adamw-targets`` with ``peer_scope``
+    ``"targets"``. ``adamw``, ``logra`` (which ``attach_logra`` patches) and the peers with
+    ``peer_scope="all"`` take the model as it is. The trainer's optimizer then updates exactly the
+    parameters left trainable (see ``peers.py``)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-    if method == "adamw-targets":
+    if method == "adamw-targets" or (method in LOW_RANK_PEERS and peer_scope == "targets"):
         return train_only_targets(model)
     if method == "lora":
         return lora_model(model, rank)
@@ -504,7 +519,7 @@ def prepare_model(model, method: str, rank: int):
 
 
 def peer_optimizer(model, method: str, args, rank: int):
-    """For a low-rank peer (``galore``, ``apollo-mini``): its optimizer over every parameter of
+    """For a low-rank peer (``galore``, ``apollo-mini``): its optimizer over every trainable parameter of
     ``model`` (GaLore at ``rank``; APOLLO-Mini is rank 1), with the trainer's AdamW settings
     (``args``: the ``GRPOConfig``), for ``GRPOTrainer(optimizers=(optimizer, None))``; ``None`` for
     every other method (the trainer builds its AdamW, or LoGRA replaces it). The trainer still builds
@@ -541,7 +556,7 @@ def run_worker(spec: dict) -> dict:
     model, tokenizer = load_policy(settings, str(Path(settings.output) / "warm_start" / f"seed{seed}"))
     model.to(device)
     before = evaluate(model, tokenizer, settings, device)
-    model = prepare_model(model, method, settings.rank)
+    model = prepare_model(model, method, settings.rank, settings.peer_scope)
     problems = tasks.make_problems(
         settings.task, settings.steps * settings.batch_size, digits=settings.digits, style=settings.style, seed=seed
     )

@@ -11,6 +11,8 @@ gives the learning rate and AdamW's other settings: ``logra bench`` its fixed de
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from logra_optim import find_experts_modules, find_target_modules
@@ -66,21 +68,24 @@ def trainable(model) -> list[torch.nn.Parameter]:
 
 
 def low_rank_optimizer(model, method: str, rank: int, **adamw) -> torch.optim.Optimizer:
-    """The optimizer of a low-rank peer (one of ``LOW_RANK_PEERS``) over every parameter of
-    ``model``: GaLore's or APOLLO's rule on the weights of LoGRA's targets (rank ``rank``, or
-    ``FIXED_RANKS[method]``), plain AdamW on the rest (stacked experts included). ``adamw``: the
-    optimizer's ``lr``, ``betas``, ``eps``, ``weight_decay``."""
+    """The optimizer of a low-rank peer (one of ``LOW_RANK_PEERS``) over every trainable parameter
+    of ``model``: GaLore's or APOLLO's rule on the weights of LoGRA's targets (rank ``rank``, or
+    ``FIXED_RANKS[method]``), plain AdamW on the rest (stacked experts included; none after
+    :func:`train_only_targets`). ``adamw``: the optimizer's ``lr``, ``betas``, ``eps``,
+    ``weight_decay``."""
     if method not in LOW_RANK_PEERS:
         raise ValueError(f"unknown low-rank peer {method!r}; choose from {', '.join(LOW_RANK_PEERS)}")
     low_rank = {id(module.weight) for _, module in find_target_modules(model)}
-    projected = [p for p in model.parameters() if id(p) in low_rank]
-    regular = [p for p in model.parameters() if id(p) not in low_rank]
+    projected = [p for p in trainable(model) if id(p) in low_rank]
+    regular = [p for p in trainable(model) if id(p) not in low_rank]
     if method == "galore":
         from galore_torch import GaLoreAdamW
 
-        groups = [{"params": regular}, {"params": projected, "rank": rank, **GALORE_SETTINGS}]
-        return GaLoreAdamW(groups, no_deprecation_warning=True, **adamw)  # it asks for torch's AdamW: no GaLore there
-    from apollo_torch import APOLLOAdamW
+        settings = {"rank": rank, **GALORE_SETTINGS}
+        build = functools.partial(GaLoreAdamW, no_deprecation_warning=True)  # it asks for torch's: no GaLore there
+    else:
+        from apollo_torch import APOLLOAdamW as build
 
-    settings = {"rank": FIXED_RANKS.get(method, rank), **APOLLO_SETTINGS[method]}
-    return APOLLOAdamW([{"params": regular}, {"params": projected, **settings}], **adamw)
+        settings = {"rank": FIXED_RANKS.get(method, rank), **APOLLO_SETTINGS[method]}
+    groups = [{"params": regular}, {"params": projected, **settings}]
+    return build([group for group in groups if group["params"]], **adamw)  # no empty group: nothing else trains
