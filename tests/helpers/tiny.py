@@ -128,7 +128,7 @@ def tiny_gpt_oss(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides)
         num_experts_per_tok=2,
         layer_types=["sliding_attention", "full_attention"],
         sliding_window=4,
-        max_position_embeddings=64,
+        max_position_embeddings=131072,  # GPT-OSS's own: its YaRN factor 32 × 4096 (no cache is allocated)
         tie_word_embeddings=False,
     )
     experts_implementation = overrides.pop("experts_implementation", "eager")
