@@ -103,14 +103,14 @@ def weight_layout(name: str, weight: torch.Tensor, transposed: bool = False) -> 
     if len(stacked) not in (2, 3):
         raise ValueError(f"target {name!r}: weight of shape {stacked} is neither a matrix nor stacked matrices")
     shape = matrix_shape(stacked, transposed)
-    if is_zero3_param(weight) and transposed:
-        raise ValueError(
-            f"target {name!r}: experts stored transposed ([E, in, out], e.g. GPT-OSS) under DeepSpeed ZeRO-3, whose "
-            "flat partition of that storage is no range of the experts' rows; LoGRA merges into such experts only "
-            "replicated (DDP, ZeRO-1/2) or sharded over experts (FSDP2). Use one of those, or "
-            "patch_model(model, experts=False)"
-        )
     if is_zero3_param(weight):
+        if transposed:
+            raise ValueError(
+                f"target {name!r}: experts stored transposed ([E, in, out], e.g. GPT-OSS) under DeepSpeed ZeRO-3, "
+                "whose flat partition of that storage is no range of the experts' rows; LoGRA merges into such "
+                "experts only replicated (DDP, ZeRO-1/2) or sharded over experts (FSDP2). Use one of those, or "
+                "patch_model(model, experts=False)"
+            )
         partition = weight.ds_tensor.ds_numel
         group = getattr(weight, "ds_process_group", None)
         rank = getattr(weight, "ds_zero_partition_rank", None)
