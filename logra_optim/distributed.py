@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .updates import MERGE_CHUNK_BYTES, merge_low_rank_, stochastic_round_to_bf16
+from .updates import MERGE_CHUNK_BYTES, merge_low_rank_, merge_transposed_experts_, stochastic_round_to_bf16
 
 REPLICATED, ROWS, FLAT = "replicated", "rows", "flat"
 
@@ -54,7 +54,9 @@ class WeightLayout:
 
     Stacked expert weights (``[E, d, k]``) are the matrix ``E·d × k`` of their row-major layout, so
     that a shard over experts (FSDP2 ``Shard(0)``) is a block of rows and a ZeRO-3 partition a range
-    of elements, as for any other target.
+    of elements, as for any other target. Experts stored ``transposed`` (``[E, k, d]``, GPT-OSS: expert
+    ``e``'s matrix is ``weight[e]ᵀ``) are the same ``E·d × k`` matrix, whose rows are columns of the
+    storage: a shard over experts is still a block of whole experts' rows, merged expert by expert.
 
     ``kind``: ``"replicated"`` (all of it), ``"rows"`` (rows ``[start, stop)``, FSDP2) or ``"flat"``
     (elements ``[start, stop)`` of the row-major flattening, DeepSpeed ZeRO-3). ``holders`` is how many
@@ -67,6 +69,7 @@ class WeightLayout:
     start: int = 0
     stop: int = 0
     holders: int = 1
+    transposed: bool = False
 
 
 def is_zero3_param(weight: torch.Tensor) -> bool:
@@ -93,13 +96,21 @@ def dtensor_rows(shape: Sequence[int], mesh, placements) -> tuple[int, int]:
     return offset[0], offset[0] + local_shape[0]
 
 
-def weight_layout(name: str, weight: torch.Tensor) -> WeightLayout:
-    """How this rank stores target ``name``; raises for placements LoGRA cannot merge into."""
+def weight_layout(name: str, weight: torch.Tensor, transposed: bool = False) -> WeightLayout:
+    """How this rank stores target ``name`` (``transposed``: stacked experts stored ``[E, k, d]``);
+    raises for placements LoGRA cannot merge into."""
     stacked = global_shape(weight)
     if len(stacked) not in (2, 3):
         raise ValueError(f"target {name!r}: weight of shape {stacked} is neither a matrix nor stacked matrices")
-    shape = matrix_shape(stacked)
+    shape = matrix_shape(stacked, transposed)
     if is_zero3_param(weight):
+        if transposed:
+            raise ValueError(
+                f"target {name!r}: experts stored transposed ([E, in, out], e.g. GPT-OSS) under DeepSpeed ZeRO-3, "
+                "whose flat partition of that storage is no range of the experts' rows; LoGRA merges into such "
+                "experts only replicated (DDP, ZeRO-1/2) or sharded over experts (FSDP2). Use one of those, or "
+                "patch_model(model, experts=False)"
+            )
         partition = weight.ds_tensor.ds_numel
         group = getattr(weight, "ds_process_group", None)
         rank = getattr(weight, "ds_zero_partition_rank", None)
@@ -125,24 +136,31 @@ def weight_layout(name: str, weight: torch.Tensor) -> WeightLayout:
                     "parallel (Shard(1)) and Partial placements are not supported"
                 )
         if all(p.is_replicate() for p in placements):
-            return WeightLayout(REPLICATED, shape, 0, shape[0], holders)
+            return WeightLayout(REPLICATED, shape, 0, shape[0], holders, transposed)
         start, stop = dtensor_rows(stacked, weight.device_mesh, placements)
         rows_per_slice = shape[0] // stacked[0]  # d for stacked experts (a shard holds whole experts), else 1
-        return WeightLayout(ROWS, shape, start * rows_per_slice, stop * rows_per_slice, holders)
-    return WeightLayout(REPLICATED, shape, 0, shape[0], 0)  # holders 0: not part of any partial sum
+        return WeightLayout(ROWS, shape, start * rows_per_slice, stop * rows_per_slice, holders, transposed)
+    return WeightLayout(REPLICATED, shape, 0, shape[0], 0, transposed)  # holders 0: not part of any partial sum
 
 
-def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
-    """The ``(rows, k)`` matrix a weight is merged as: itself, or ``E·d × k`` for ``[E, d, k]`` experts."""
-    return (shape[0], shape[1]) if len(shape) == 2 else (shape[0] * shape[1], shape[2])
+def matrix_shape(shape: Sequence[int], transposed: bool = False) -> tuple[int, int]:
+    """The ``(rows, k)`` matrix a weight is merged as: itself, or ``E·d × k`` for ``[E, d, k]`` experts
+    (``[E, k, d]`` when stored ``transposed``)."""
+    if len(shape) == 2:
+        return (shape[0], shape[1])
+    experts, d, k = (shape[0], shape[2], shape[1]) if transposed else shape
+    return (experts * d, k)
 
 
 def local_data(weight: torch.Tensor, layout: WeightLayout) -> torch.Tensor:
     """The tensor a merge writes into: the whole matrix, the local rows (``d_local×k``) or the valid
-    part of the flat partition (1-D). Stacked experts are viewed as rows (``E_local·d × k``)."""
+    part of the flat partition (1-D). Stacked experts are viewed as rows (``E_local·d × k``), except
+    transposed ones, whose rows are no view of their storage: those come as stored (``E_local×k×d``)."""
     if layout.kind == FLAT:
         return weight.ds_tensor.data.view(-1)[: layout.stop - layout.start]
     data = weight.to_local().data if is_dtensor(weight) else weight.data
+    if layout.transposed:
+        return data
     return data.flatten(0, 1) if data.dim() == 3 else data  # flatten: also a rank holding no expert
 
 
@@ -285,6 +303,8 @@ class LocalWeight:
             local.copy_(gathered.view(-1)[layout.start : layout.stop])
         elif layout.kind == FLAT:
             merge_flat_partition_(local, layout.start, factor, projection, **rounding)
+        elif layout.transposed:  # the whole stack or a shard of whole experts, as stored
+            merge_transposed_experts_(local, factor[layout.start : layout.stop], projection, **rounding)
         elif layout.kind == ROWS:
             merge_low_rank_(local, factor[layout.start : layout.stop], projection, **rounding)
         else:

@@ -14,6 +14,12 @@ once for all of them and gathered per expert. Each expert keeps its own sketch r
 before (``A`` is independent of the data), so the optimizer treats the stacked weight as the
 ``E·d × k`` matrix of its row-major layout: one target, one ``A``, RowAdam rows per expert row.
 
+Some models store each expert's matrix transposed (``is_transposed``: GPT-OSS's ``gate_up_proj``
+``[E, H, 2I]``, ``down_proj`` ``[E, I, H]``). Expert ``e`` is then the linear map ``W_e = weight[e]ᵀ``
+(:func:`expert_matrices`, a view), and all of the above applies to it unchanged: the target is the
+same ``E·d × k`` matrix of the ``W_e``, whose rows only are stored elsewhere
+(:class:`~.distributed.WeightLayout`, :func:`~.updates.merge_transposed_experts_`).
+
 Outside training forwards (evaluation, generation, no grad) the model's own implementation runs.
 """
 
@@ -32,7 +38,8 @@ from .sketch import GRAPH_ANCHOR, SketchedLinear
 SUPPORTED_LAYOUTS = (
     "transformers' *Experts modules (use_experts_implementation: Qwen2/Qwen3/Qwen3.5-MoE, OLMoE, Mixtral, "
     "DeepSeek-V2/V3, …) storing gate_up_proj [E, 2I, H] (or up_proj [E, I, H] without a gate) and "
-    "down_proj [E, H, I], not transposed"
+    "down_proj [E, H, I], or both transposed (is_transposed: [E, H, 2I] and [E, I, H], GPT-OSS), in "
+    "fp32/bf16/fp16/fp64"
 )
 
 
@@ -59,22 +66,31 @@ def expert_weight_names(name: str, module: nn.Module) -> tuple[str, str]:
         raise refuse("its layout is not recognised (not built by transformers' use_experts_implementation)")
     if getattr(module, "_is_expert_parallel", False):
         raise refuse("expert parallelism (experts on different ranks) is not supported")
-    if module.is_transposed:
-        raise refuse("its weights are stored transposed ([E, in, out], e.g. GPT-OSS), which is not supported yet")
     names = ("gate_up_proj" if module.has_gate else "up_proj", "down_proj")
     weights = [getattr(module, n, None) for n in names]
     if not all(isinstance(w, nn.Parameter) and w.dim() == 3 for w in weights):
         raise refuse(f"it lacks 3-D parameters {names[0]!r} and {names[1]!r}")
-    first, second = weights
     unsupported = [
         w.dtype for w in weights if w.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64)
     ]
     if unsupported:
         raise refuse(f"quantized experts ({unsupported[0]}) are not supported")
+    first, second = (expert_matrices(w, module.is_transposed) for w in weights)
     width = first.shape[1] // 2 if module.has_gate else first.shape[1]
     if first.shape[0] != module.num_experts or second.shape != (module.num_experts, first.shape[2], width):
-        raise refuse(f"shapes {list(first.shape)} and {list(second.shape)} do not line up")
+        stored = " and ".join(str(list(w.shape)) for w in weights)
+        raise refuse(f"shapes {stored} (transposed: {bool(module.is_transposed)}) do not line up")
     return names
+
+
+def expert_matrices(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """The experts' matrices ``W_e`` (``[E, d, k]``: out × in, what ``F.linear`` takes) of a stacked
+    weight: the weight itself, or, stored ``transposed`` (``[E, k, d]``), a view of it (no copy).
+
+    Why a view suffices: ``x W_eᵀ`` is then ``x · weight[e]``, and a sketch, a probe or a merge only
+    ever needs ``W_e`` as a linear map; which rows of ``W_e`` are gate and which up (GPT-OSS
+    interleaves them) is the module's ``_apply_gate``'s business, as in its own forward."""
+    return weight.transpose(1, 2) if transposed else weight
 
 
 def routed_experts(
@@ -124,7 +140,7 @@ def sketching_linear(module: nn.Module, names: tuple[str, str], states, hidden: 
     """``linear`` for :func:`routed_experts` in a training forward: each expert's product is a
     :class:`~.sketch.SketchedLinear` into its rows of the sketch. The input weight's ``x Aᵀ`` is
     computed once for all tokens and gathered per expert."""
-    weights = tuple(getattr(module, name) for name in names)
+    weights = tuple(expert_matrices(getattr(module, name), state.transposed) for name, state in zip(names, states))
     biases = _biases(module, names)
     sketches = tuple(state.sketch.view(w.shape[0], w.shape[1], -1) for state, w in zip(states, weights))
     projected_input = states[0].shared_projection.project(hidden)
@@ -141,7 +157,7 @@ def sketching_linear(module: nn.Module, names: tuple[str, str], states, hidden: 
 def probing_linear(module: nn.Module, names: tuple[str, str], states):
     """``linear`` for :func:`routed_experts` while a KL probe runs: expert ``e``'s product with
     ``W_e`` plus the low-rank change ``−(x Aᵀ) F_eᵀ`` of the proposed update (as tangent or branch)."""
-    weights = tuple(getattr(module, name) for name in names)
+    weights = tuple(expert_matrices(getattr(module, name), state.transposed) for name, state in zip(names, states))
     biases = _biases(module, names)
 
     def linear(which: int, expert: int, x: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:

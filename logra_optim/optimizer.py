@@ -227,9 +227,10 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         if not found:
             raise ValueError("LoGRAOptimizer: the model has no LoGRA targets; call patch_model(model) first")
         dp.check_no_fsdp1(model)
+        states = [target_state(m, a) for _, m, a in found]
         targets = tuple(
-            Target(target_state(m, a).canonical_name, m, dp.weight_layout(name, getattr(m, a)), a)
-            for name, m, a in found
+            Target(state.canonical_name, m, dp.weight_layout(name, getattr(m, a), state.transposed), a)
+            for (name, m, a), state in zip(found, states)
         )
         check_targets(targets, options, kl)
 

@@ -65,6 +65,7 @@ class TargetState:
     canonical_name: str
     weight_requires_grad: bool
     experts: int = 1  # matrices stacked in the weight: E for a mixture-of-experts weight [E, d, k]
+    transposed: bool = False  # stacked experts stored [E, k, d] (GPT-OSS): expert e's matrix is weight[e]ᵀ
     shared_projection: SharedProjection | None = None
     sketch: torch.Tensor | None = None
     owner: weakref.ref | None = None
@@ -92,7 +93,7 @@ class TargetState:
 
     def __deepcopy__(self, memo) -> TargetState:
         # A copied model is a new, unbound model: it must not sketch into this optimizer's buffers.
-        return TargetState(self.name, self.canonical_name, self.weight_requires_grad, self.experts)
+        return TargetState(self.name, self.canonical_name, self.weight_requires_grad, self.experts, self.transposed)
 
 
 @dataclass(eq=False)
@@ -317,7 +318,9 @@ def patch_model(
         for attribute in names:
             weight = getattr(module, attribute)
             full_name = f"{name}.{attribute}"
-            states[attribute] = TargetState(full_name, canonical_name(full_name), weight.requires_grad, weight.shape[0])
+            states[attribute] = TargetState(
+                full_name, canonical_name(full_name), weight.requires_grad, weight.shape[0], module.is_transposed
+            )
             weight.requires_grad_(False)
         module._logra_experts = ExpertsPatch(names, states)
         module.forward = types.MethodType(_patched_experts_forward, module)

@@ -42,7 +42,9 @@ now).
 
 A stacked mixture-of-experts weight (``[E, d, k]``, e.g. ``…experts.gate_up_proj``) is one target:
 the ``E·d × k`` matrix of its row-major layout, as the optimizer treats it, so ``F`` stacks the
-experts' factors by rows and all of them share the target's ``A``.
+experts' factors by rows and all of them share the target's ``A``. For experts stored transposed
+(``[E, k, d]``, GPT-OSS) it is the same matrix of their ``weight[e]ᵀ``; no engine adapter places
+those (``VLLMSync`` refuses them).
 """
 
 from __future__ import annotations

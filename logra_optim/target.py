@@ -19,11 +19,13 @@ from .patching import TargetState, target_state
 @dataclass(frozen=True)
 class Target:
     """One weight driven by an optimizer: a patched linear layer's ``weight``, or the stacked
-    ``[E, d, k]`` weight of a mixture-of-experts block (``attribute`` names it, e.g. ``"down_proj"``).
+    ``[E, d, k]`` weight of a mixture-of-experts block (``attribute`` names it, e.g. ``"down_proj"``;
+    ``[E, k, d]`` where ``layout.transposed``, GPT-OSS).
 
     ``name`` is the canonical name (wrapper prefixes such as ``module.`` or ``_orig_mod.`` removed)
     a Hugging Face checkpoint and a vLLM engine use: the module's for a linear, the parameter's for
-    experts. ``layout`` says which part of the ``d×k`` matrix (``E·d × k`` for experts) this rank stores.
+    experts. ``layout`` says which part of the ``d×k`` matrix (``E·d × k`` for experts) this rank stores,
+    and whether experts are stored transposed.
     """
 
     name: str

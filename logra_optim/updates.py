@@ -243,6 +243,28 @@ def merge_low_rank_(
     return weight
 
 
+def merge_transposed_experts_(
+    stored: torch.Tensor, factor: torch.Tensor, projection: torch.Tensor, **options
+) -> torch.Tensor:
+    """``W_e ← W_e − F_e A`` for every expert of a stack stored transposed: ``stored[e]`` is ``W_eᵀ``
+    (``E×k×d``, GPT-OSS), ``factor`` the experts' ``F_e`` (``d×r``) stacked by rows (``E·d × r``), as
+    for any stacked weight. Returns ``stored``.
+
+    Each ``W_e`` is a transposed view of its storage, which :func:`merge_low_rank_` (``options``:
+    its rounding and chunking) updates in place: ``stored[e] ← stored[e] − (F_e A)ᵀ``, with nothing
+    transposed in memory. The row-major ``E·d × k`` view of other stacks does not exist here (its
+    rows are columns of the storage), hence one merge per expert."""
+    experts, k, d = stored.shape
+    if factor.dim() != 2 or factor.shape[0] != experts * d or projection.shape[1:] != (k,):
+        raise ValueError(
+            f"merge shapes do not line up: experts stored {tuple(stored.shape)} (E×k×d), factor "
+            f"{tuple(factor.shape)}, projection {tuple(projection.shape)} (expected E·d×r, r×k)"
+        )
+    for matrix, rows in zip(stored.transpose(1, 2), factor.split(d)):
+        merge_low_rank_(matrix, rows, projection, **options)
+    return stored
+
+
 def rounding_remainder(exact: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
     """``X − round(X)`` in ``rounded``'s dtype: what storing ``exact`` (fp32 or wider) in the 16-bit
     ``rounded`` dropped, i.e. the compensation of :func:`merge_low_rank_compensated_` right after the

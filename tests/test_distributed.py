@@ -60,7 +60,7 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(config: str, mode: str, moe: bool = False) -> dict:
+def _reference(config: str, mode: str, moe: str | None = None) -> dict:
     return reference(config, mode, moe=moe)
 
 
@@ -95,8 +95,8 @@ def test_two_ranks_on_half_batches_equal_one_process_on_the_full_batch(mode, tmp
         assert got["alphas"] == pytest.approx(want["alphas"], rel=1e-5)
 
     if mode in MOE_MODES:  # mixture of experts: every expert of every layer, with the probe through them
-        want, got = _reference("kl", mode, moe=True), results["moe"]
-        initial = trained_weights(build_model(moe=True))
+        want, got = _reference("kl", mode, moe="qwen3_moe"), results["moe"]
+        initial = trained_weights(build_model(moe="qwen3_moe"))
         assert sum(".experts." in name for name in want["weights"]) == 4
         for name, weight in want["weights"].items():
             assert _relative_error(weight, initial[name]) > 1e-4, name
@@ -117,6 +117,28 @@ def test_two_ranks_on_half_batches_equal_one_process_on_the_full_batch(mode, tmp
     assert results["resumed"]["update_index"] == 3
     for name, weight in results["kl"]["weights"].items():
         assert torch.equal(results["resumed"]["weights"][name], weight), name
+
+
+def test_two_ranks_train_transposed_experts_as_one_process(tmp_path):
+    """GPT-OSS's experts, stored transposed (``[E, in, out]``), under DDP (replicated) and FSDP2
+    (sharded over experts: rank 0 holds experts 0–1, rank 1 expert 2, of the transposed storage):
+    with KL control, 2 ranks on half batches end with the weights and α of one process on the full
+    batch, every expert weight having moved."""
+    result = torchrun("transposed_experts", str(tmp_path))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    results = torch.load(tmp_path / "transposed_experts.pt", weights_only=False)
+    initial = trained_weights(build_model(moe="gpt_oss"))
+    for mode in MOE_MODES:
+        want, got = _reference("kl", mode, moe="gpt_oss"), results[mode]
+        assert sum(".experts." in name for name in want["weights"]) == 4
+        for name, weight in want["weights"].items():
+            assert _relative_error(weight, initial[name]) > 1e-4, (mode, name)
+            assert _relative_error(got["weights"][name], weight) < 1e-6, (mode, name)
+        assert got["alphas"] == pytest.approx(want["alphas"], rel=1e-5), mode
+    first, second = results["fsdp2"]["layouts"]
+    assert {(kind, transposed) for kind, _, _, transposed in first + second} == {("rows", True)}
+    assert all(a[2] == b[1] and a[2] - a[1] == 2 * (b[2] - b[1]) for a, b in zip(first, second))
+    assert {kind for kind, *_ in results["ddp"]["layouts"][0]} == {"replicated"}
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """Mixture-of-experts weights as LoGRA targets (logra_optim/experts.py): per-expert sketches equal the
 dense per-expert gradients times ``Aᵀ`` (float64, any routing), the routed computation equals
 transformers' eager and grouped implementations, no dense expert gradient is ever allocated, and the
-optimizer, the KL probe and checkpoints cover every expert."""
+optimizer, the KL probe and checkpoints cover every expert. Experts stored transposed (GPT-OSS:
+``[E, in, out]``, gate/up interleaved, with biases) get the same checks, plus the merge into their
+storage, whole or sharded over experts."""
 
 from __future__ import annotations
 
@@ -18,27 +20,38 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from logra_optim import LoGRAOptimizer, patch_model, patched_targets, unpatch_model
+from logra_optim.distributed import REPLICATED, ROWS, LocalWeight, WeightLayout, weight_layout
+from logra_optim.experts import expert_matrices
 from logra_optim.patching import target_state
 from logra_optim.projection import ProjectionSpec
 from logra_optim.sketch import SharedProjection
 from logra_optim.probe import contexts_from_batch, jvp_predicted_kl
-from tests.helpers.reference import kl_divergence
-from tests.helpers.tiny import fixed_batch, tiny_qwen3_moe
+from logra_optim.updates import merge_transposed_experts_
+from tests.helpers.reference import U16, kl_divergence, merged
+from tests.helpers.tiny import fixed_batch, tiny_gpt_oss, tiny_qwen3_moe
 
 
 class ExpertsOnly(nn.Module):
-    """A transformers ``Qwen3MoeExperts`` module beside one linear (``patch_model`` wants a linear)."""
+    """A transformers experts module beside one linear (``patch_model`` wants a linear):
+    ``Qwen3MoeExperts``, or ``GptOssExperts`` (``family="gpt_oss"``: stored transposed, gate/up
+    interleaved, clamped gate, biases)."""
 
-    def __init__(self, experts: int, hidden: int, inner: int, dtype=torch.float64, seed: int = 0):
-        from transformers import Qwen3MoeConfig
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
-
+    def __init__(self, experts: int, hidden: int, inner: int, dtype=torch.float64, seed: int = 0, family="qwen3_moe"):
         super().__init__()
-        config = Qwen3MoeConfig(num_experts=experts, hidden_size=hidden, moe_intermediate_size=inner)
+        if family == "gpt_oss":
+            from transformers import GptOssConfig
+            from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts as Experts
+
+            config = GptOssConfig(num_local_experts=experts, hidden_size=hidden, intermediate_size=inner)
+        else:
+            from transformers import Qwen3MoeConfig
+            from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts as Experts
+
+            config = Qwen3MoeConfig(num_experts=experts, hidden_size=hidden, moe_intermediate_size=inner)
         config._experts_implementation = "eager"
         torch.manual_seed(seed)
-        self.experts = Qwen3MoeExperts(config)
-        for weight in (self.experts.gate_up_proj, self.experts.down_proj):
+        self.experts = Experts(config)
+        for weight in self.experts.parameters():  # GPT-OSS: its biases too
             nn.init.normal_(weight, std=0.3)
         self.o_proj = nn.Linear(hidden, hidden)
         self.to(dtype)
@@ -70,7 +83,7 @@ def bind(module: nn.Module, rank: int, seed: int = 0) -> list[torch.Tensor]:
     patch = module._logra_experts
     projections = []
     for i, (attribute, state) in enumerate(zip(patch.names, patch.ordered())):
-        weight = getattr(module, attribute)
+        weight = expert_matrices(getattr(module, attribute), state.transposed)  # [E, d, k]
         spec = ProjectionSpec(seed * 2 + i, rank, weight.shape[2])
         a = spec.generate()
         state.set_projection(SharedProjection(spec))
@@ -80,14 +93,17 @@ def bind(module: nn.Module, rank: int, seed: int = 0) -> list[torch.Tensor]:
 
 
 def dense_reference(model: ExpertsOnly, hidden, index, weights, cotangent):
-    """Output, input gradient and dense per-expert gradients of transformers' eager experts, float64."""
+    """Output, input gradient and the dense gradients ``G_e`` (``[E, d, k]``, of ``W_e`` as a linear
+    map: the stored gradient transposed for GPT-OSS) of transformers' eager experts, float64."""
     reference = copy.deepcopy(model)
     for weight in (reference.experts.gate_up_proj, reference.experts.down_proj):
         weight.requires_grad_(True)
     x = hidden.clone().requires_grad_(True)
     out = reference(x, index, weights)
     out.backward(cotangent)
-    return out.detach(), x.grad, [reference.experts.gate_up_proj.grad, reference.experts.down_proj.grad]
+    transposed = reference.experts.is_transposed
+    grads = [expert_matrices(w.grad, transposed) for w in (reference.experts.gate_up_proj, reference.experts.down_proj)]
+    return out.detach(), x.grad, grads
 
 
 @settings(max_examples=25, deadline=None)
@@ -103,11 +119,31 @@ def test_expert_sketches_equal_dense_per_expert_gradients(experts, top_k, tokens
     """``S_e = G_e Aᵀ`` for every expert, exactly (float64), with the top-k weights inside ``G_e``;
     outputs and input gradients equal transformers' eager loop; an expert without tokens has a zero
     sketch."""
+    check_expert_sketches("qwen3_moe", experts, top_k, tokens, rank, mode, seed)
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    experts=st.integers(3, 5),
+    top_k=st.integers(2, 3),
+    tokens=st.integers(1, 9),
+    rank=st.integers(1, 4),
+    mode=st.sampled_from(["random", "unused"]),
+    seed=st.integers(0, 2**16),
+)
+def test_gpt_oss_expert_sketches_equal_dense_per_expert_gradients(experts, top_k, tokens, rank, mode, seed):
+    """GPT-OSS (stored transposed, gate/up interleaved, clamped gate, biases): ``S_e = G_e Aᵀ`` with
+    ``G_e`` the gradient of ``W_e = weight[e]ᵀ``, exactly (float64), top-k > 1; outputs and input
+    gradients equal its eager loop; an expert without tokens has a zero sketch."""
+    check_expert_sketches("gpt_oss", experts, top_k, tokens, rank, mode, seed)
+
+
+def check_expert_sketches(family: str, experts: int, top_k: int, tokens: int, rank: int, mode: str, seed: int):
     top_k = min(top_k, experts - 1 if mode == "unused" and experts > 1 else experts)
     if mode == "unused" and experts == 1:
         mode = "random"
     generator = torch.Generator().manual_seed(seed)
-    model = ExpertsOnly(experts, hidden=6, inner=5, seed=seed)
+    model = ExpertsOnly(experts, hidden=6, inner=5, seed=seed, family=family)
     hidden = torch.randn(tokens, 6, generator=generator, dtype=torch.float64)
     index, weights = routing(tokens, experts, top_k, mode, generator)
     cotangent = torch.randn(tokens, 6, generator=generator, dtype=torch.float64)
@@ -126,7 +162,7 @@ def test_expert_sketches_equal_dense_per_expert_gradients(experts, top_k, tokens
         expected = grad @ a.double().t()  # [E, d, k] @ [k, r]
         torch.testing.assert_close(sketch, expected, rtol=1e-10, atol=1e-12)
     if mode == "unused":
-        assert not model.experts._logra_experts.ordered()[0].sketch.view(experts, -1, rank)[-1].any()
+        assert not any(s.sketch.view(experts, -1, rank)[-1].any() for s in model.experts._logra_experts.ordered())
 
 
 def test_expert_sketches_are_unbiased_over_seeds():
@@ -238,7 +274,7 @@ def avoid_last_expert(model):
     expert that receives no token)."""
     handles = []
     for layer in model.model.layers:
-        router = layer.mlp.gate
+        router = layer.mlp.router if hasattr(layer.mlp, "router") else layer.mlp.gate  # GPT-OSS, Qwen3-MoE
         last = router.num_experts - 1
 
         def hook(module, args, output, last=last):
@@ -275,10 +311,12 @@ def test_optimizer_trains_every_routed_expert_and_leaves_unrouted_ones_untouched
         assert ratio == pytest.approx(6e-5, rel=0.02)
 
 
-def test_kl_probe_includes_expert_updates():
+@pytest.mark.parametrize("build", [tiny_qwen3_moe, tiny_gpt_oss], ids=["qwen3_moe", "gpt_oss"])
+def test_kl_probe_includes_expert_updates(build):
     """The JVP probe's predicted KL of an update that moves only experts equals the exact KL of the
-    model with that update merged densely into the 3-D weights, divided by ε² (float64, small ε)."""
-    model = tiny_qwen3_moe(dtype=torch.float64)
+    model with that update merged densely into the 3-D weights, divided by ε² (float64, small ε);
+    for GPT-OSS through its transposed storage (``weight[e] −= ε (F_e A)ᵀ``)."""
+    model = build(dtype=torch.float64)
     optimizer = LoGRAOptimizer(patch_model(model, target_modules=["o_proj"]), rank=4)
     generator = torch.Generator().manual_seed(3)
     factors = [
@@ -296,9 +334,9 @@ def test_kl_probe_includes_expert_updates():
     with torch.no_grad():
         for target, factor in zip(optimizer.targets, factors):
             if target.experts > 1:
-                weight = merged.get_parameter(target.parameter_name)
+                matrices = expert_matrices(merged.get_parameter(target.parameter_name), target.layout.transposed)
                 delta = factor @ target.state.generate_projection().double()  # [E·d, k]
-                weight -= epsilon * delta.view(weight.shape)
+                matrices -= epsilon * delta.view(matrices.shape)  # through the view into the storage
         model.eval(), merged.eval()
         before = model(input_ids=batch["input_ids"]).logits[contexts.probe_mask]
         after = merged(input_ids=batch["input_ids"]).logits[contexts.probe_mask]
@@ -306,10 +344,11 @@ def test_kl_probe_includes_expert_updates():
     assert float(predicted) == pytest.approx(exact, rel=1e-3)
 
 
-def test_state_dict_resumes_every_expert_bit_identically():
+@pytest.mark.parametrize("build", [tiny_qwen3_moe, tiny_gpt_oss], ids=["qwen3_moe", "gpt_oss"])
+def test_state_dict_resumes_every_expert_bit_identically(build):
     """Save after one update (``torch.load(weights_only=True)``), resume in a copy, and the next
-    update matches the uninterrupted run exactly, experts included."""
-    model = tiny_qwen3_moe()
+    update matches the uninterrupted run exactly, experts included (GPT-OSS: stored transposed)."""
+    model = build()
     optimizer = LoGRAOptimizer(patch_model(model), rank=4, kl_budget=None, update_ratio=1e-3)
     model.train()
 
@@ -323,7 +362,8 @@ def test_state_dict_resumes_every_expert_bit_identically():
     torch.save(optimizer.state_dict(), buffer)
     buffer.seek(0)
     state = torch.load(buffer, weights_only=True)
-    assert state["state"][len(optimizer.targets) - 1]["row_second_moment"].shape == (4 * 32,)  # E·d rows
+    moment = state["state"][len(optimizer.targets) - 1]["row_second_moment"]  # the last layer's down_proj
+    assert moment.shape == (4 * model.config.hidden_size,)  # E·d rows
     resumed_model = copy.deepcopy(model)
     unpatch_model(resumed_model)
     resumed = LoGRAOptimizer(patch_model(resumed_model), rank=4, kl_budget=None, update_ratio=1e-3)
@@ -336,9 +376,9 @@ def test_state_dict_resumes_every_expert_bit_identically():
 
 
 def test_unsupported_experts_layouts_are_refused_by_name():
-    """A module with stacked weights in an unknown layout, expert parallelism and a transposed
-    layout (GPT-OSS) are clear errors naming the module; ``experts=False`` leaves them frozen with a
-    warning, and unpatching restores every flag."""
+    """A module with stacked weights in an unknown layout, expert parallelism and transposed experts
+    whose shapes do not line up are clear errors naming the module; ``experts=False`` leaves them
+    frozen with a warning, and unpatching restores every flag."""
 
     class MyExperts(nn.Module):
         def __init__(self):
@@ -373,14 +413,139 @@ def test_unsupported_experts_layouts_are_refused_by_name():
         patch_model(parallel)
     assert not patched_targets(parallel)  # nothing changed
 
-    from transformers import GptOssConfig, GptOssForCausalLM
+    mismatched = tiny_gpt_oss()
+    experts = mismatched.model.layers[0].mlp.experts
+    wrong = experts.down_proj.detach().transpose(1, 2).contiguous()  # [E, H, I]: GPT-OSS stores [E, I, H]
+    experts.down_proj = nn.Parameter(wrong)
+    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.experts' \(GptOssExperts\): shapes \[4, 16, 24\] and "
+                       r"\[4, 16, 12\] \(transposed: True\) do not line up"):  # fmt: skip
+        patch_model(mismatched)
+    assert not patched_targets(mismatched)
 
-    config = GptOssConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=8, num_local_experts=2, num_experts_per_tok=1,
-    )  # fmt: skip
-    with pytest.raises(ValueError, match=r"GptOssExperts.*transposed"):
-        patch_model(GptOssForCausalLM(config))
+
+def test_gpt_oss_experts_are_targets_with_exact_sketches():
+    """GPT-OSS stores its experts transposed (``[E, in, out]``, gate and up interleaved) with biases:
+    both stacked weights of every layer become targets, each the ``E·d × k`` matrix of its experts'
+    ``W_e = weight[e]ᵀ``; the biases stay non-targets (frozen with the other non-targets); the
+    training forward and the gradients flowing through the experts equal the unpatched model's eager
+    ones; each sketch equals the dense gradient of the ``W_e`` times ``Aᵀ`` (float64 model, fp32
+    sketches); in eval mode the model's own implementation runs and nothing is sketched."""
+    reference = tiny_gpt_oss(dtype=torch.float64)
+    model = copy.deepcopy(reference)
+    batch = fixed_batch(batch=2, seq=10)
+    reference.train(), model.train()
+    expected = reference(**batch)
+    expected.loss.backward()
+    optimizer = LoGRAOptimizer(patch_model(model), rank=4)
+    experts = [target for target in optimizer.targets if target.experts > 1]
+    names = [f"model.layers.{layer}.mlp.experts.{w}" for layer in (0, 1) for w in ("gate_up_proj", "down_proj")]
+    assert [target.parameter_name for target in experts] == names
+    # gate_up: d = 2I = 24 rows per expert over k = H = 16; down: d = H = 16 over k = I = 12.
+    assert [(target.shape, target.layout.transposed) for target in experts] == [((96, 16), True), ((64, 12), True)] * 2
+    biases = [p for n, p in model.named_parameters() if n.endswith("_proj_bias")]
+    assert len(biases) == 4 and not any(p.requires_grad for p in biases)
+    model.model.embed_tokens.weight.requires_grad_(True)  # what flows back through the experts
+    got = model(**batch)
+    torch.testing.assert_close(got.logits, expected.logits, rtol=1e-12, atol=1e-12)
+    got.loss.backward()
+    torch.testing.assert_close(
+        model.model.embed_tokens.weight.grad, reference.model.embed_tokens.weight.grad, rtol=1e-10, atol=1e-12
+    )
+    dense = dict(reference.named_parameters())
+    for target in experts:
+        gradient = expert_matrices(dense[target.parameter_name].grad, transposed=True)  # G_e: [E, d, k]
+        expected_sketch = gradient.reshape(target.shape) @ target.state.generate_projection().double().T
+        error = (target.state.sketch.double() - expected_sketch).norm() / expected_sketch.norm()
+        assert error < 1e-6, (target.name, float(error))
+    sketches = [buffer.clone() for buffer in optimizer.sketch_buffers()]
+    model.eval(), reference.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batch).logits, reference(**batch).logits, rtol=1e-12, atol=1e-12)
+    assert all(torch.equal(a, b) for a, b in zip(sketches, optimizer.sketch_buffers()))
+
+
+def test_gpt_oss_update_lands_in_the_transposed_storage():
+    """One update moves expert ``e``'s stored weight to exactly ``weight[e] − (F_e A)ᵀ`` (float64
+    reference ``W_e − F_e A`` on ``W_e = weight[e]ᵀ``), with ``F`` the factor the merge hook reports
+    and ``A`` the target's projection; the expert that received no token is bit-identical; each
+    stacked weight moves by ``‖ΔW‖/‖W‖ = ρ_upd`` (η does not see the transposition); RowAdam keeps
+    one statistic per expert row; the biases (non-targets, frozen) do not move."""
+    model = tiny_gpt_oss(dtype=torch.float64)
+    avoid_last_expert(model)
+    optimizer = LoGRAOptimizer(patch_model(model), rank=4, kl_budget=None, update_ratio=1e-3, wire_dtype=None)
+    factors = {}
+    optimizer.register_merge_hook(lambda _, update: factors.update({t.name: t.factor for t in update.targets}))
+    experts = [target for target in optimizer.targets if target.experts > 1]
+    before = {target.name: target.weight.detach().clone() for target in experts}
+    biases = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("_proj_bias")}
+    model.train()
+    model(**fixed_batch(batch=4, seq=12)).loss.backward()
+    optimizer.step()
+    assert optimizer.stats["update_index"] == 1
+    for target in experts:
+        weight, old = target.weight.detach(), before[target.name]
+        factor, projection = factors[target.parameter_name], target.state.generate_projection()
+        d = target.shape[0] // target.experts
+        for e in range(target.experts):
+            want = merged(old[e].T, factor[e * d : (e + 1) * d], projection).T
+            torch.testing.assert_close(weight[e], want, rtol=1e-13, atol=1e-15)
+        moved = [not torch.equal(weight[e], old[e]) for e in range(target.experts)]
+        assert moved == [True, True, True, False], target.name
+        assert float((weight - old).norm() / old.norm()) == pytest.approx(1e-3, rel=1e-5)
+        assert optimizer.state[target.weight]["row_second_moment"].shape == (target.shape[0],)
+    for name, parameter in model.named_parameters():
+        if name in biases:
+            assert torch.equal(parameter, biases[name]), name
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    experts=st.integers(1, 4),
+    d=st.integers(1, 5),
+    k=st.integers(1, 5),
+    r=st.integers(1, 3),
+    world=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_transposed_experts_merge_into_their_storage_whole_or_sharded_over_experts(experts, d, k, r, world, seed):
+    """Experts stored ``[E, k, d]``: merging the ``E·d × k`` update ``F A`` leaves ``stored[e] =
+    (W_e − F_e A)ᵀ`` (float64 reference), replicated or split over ranks by whole experts (FSDP2's
+    ``Shard(0)``, torch's uneven chunks, a rank may hold none), and the ranks' ``‖·‖²`` shares sum to
+    ``‖W‖²``; bf16 storage (nearest rounding) is within its rounding of the reference."""
+    generator = torch.Generator().manual_seed(seed)
+    stored = torch.randn(experts, k, d, generator=generator, dtype=torch.float64)
+    factor = torch.randn(experts * d, r, generator=generator, dtype=torch.float64)
+    projection = torch.randn(r, k, generator=generator, dtype=torch.float64)
+    want = torch.stack([merged(stored[e].T, factor[e * d : (e + 1) * d], projection).T for e in range(experts)])
+
+    whole = LocalWeight(stored.clone(), WeightLayout(REPLICATED, (experts * d, k), 0, experts * d, 0, True))
+    whole.merge_(factor, projection)
+    torch.testing.assert_close(whole.weight, want, rtol=1e-12, atol=1e-12)
+
+    per_rank = -(-experts // world)  # torch.chunk's split of Shard(0)
+    shards, sq_norm = [], 0.0
+    for rank in range(world):
+        first, last = min(rank * per_rank, experts), min((rank + 1) * per_rank, experts)
+        layout = WeightLayout(ROWS, (experts * d, k), first * d, last * d, 1, True)
+        shard = LocalWeight(stored[first:last].clone(), layout)
+        sq_norm += float(shard.sq_norm())
+        shard.merge_(factor, projection)
+        shards.append(shard.weight)
+    torch.testing.assert_close(torch.cat(shards), want, rtol=1e-12, atol=1e-12)
+    assert sq_norm == pytest.approx(float(stored.square().sum()), rel=1e-12)
+
+    low = merge_transposed_experts_(stored.bfloat16(), factor, projection, stochastic_rounding=False)
+    torch.testing.assert_close(low.double(), want, rtol=2 * U16, atol=2 * U16 * float(want.abs().max()))
+
+
+def test_transposed_experts_under_zero3_are_refused_by_name():
+    """DeepSpeed ZeRO-3 partitions the ``[E, k, d]`` storage flat, which is no range of the experts'
+    rows: the layout is refused naming the target (recognised, as DeepSpeed's parameters are, by
+    their ``ds_*`` attributes)."""
+    weight = nn.Parameter(torch.zeros(0))
+    weight.ds_tensor, weight.ds_shape = torch.zeros(6), (2, 3, 4)
+    with pytest.raises(ValueError, match=r"target 'layer.experts.down_proj': experts stored transposed .*ZeRO-3"):
+        weight_layout("layer.experts.down_proj", weight, transposed=True)
 
 
 def test_a_rank_holding_no_expert_merges_nothing():

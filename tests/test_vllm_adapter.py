@@ -1,5 +1,6 @@
-"""The vLLM adapter's boundaries, without an engine: the worker-side module loads on its own and the
-extension path vLLM imports names the class. (That the trainer side reads only the optimizer's
+"""The vLLM adapter's boundaries, without an engine: the worker-side module loads on its own, the
+extension path vLLM imports names the class, and targets the sync cannot place (GPT-OSS's transposed
+experts) are refused before any engine is reached. (That the trainer side reads only the optimizer's
 public view is checked against a real engine in test_vllm.py.)"""
 
 from __future__ import annotations
@@ -9,8 +10,12 @@ import subprocess
 import sys
 
 
+import pytest
+
 import logra_optim.integrations.vllm as adapter
+from logra_optim import LoGRAOptimizer, patch_model
 from logra_optim.integrations.vllm import EXTENSION, LoGRAWorkerExtension
+from tests.helpers.tiny import tiny_gpt_oss
 
 
 def _resolve(dotted: str):
@@ -42,3 +47,12 @@ def test_a_worker_loads_the_engine_side_only():
     assert "logra_optim.integrations.vllm.engine" in loaded
     assert "logra_optim.integrations.vllm.trainer" not in loaded
     assert "logra_optim.integrations.trl" not in loaded
+
+
+def test_sync_refuses_transposed_experts_by_name():
+    """GPT-OSS's experts are targets stored transposed, and vLLM keeps them in a layout of its own
+    (often mxfp4) that no placement maps: ``VLLMSync`` refuses them by name before reaching any
+    engine, rather than place their updates wrong."""
+    optimizer = LoGRAOptimizer(patch_model(tiny_gpt_oss()), rank=4)
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.experts\.gate_up_proj'.*experts=False"):
+        adapter.VLLMSync(optimizer, engine=None)

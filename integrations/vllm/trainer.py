@@ -446,6 +446,15 @@ class VLLMSync:
             raise ValueError(f"full_every must be a positive integer or None, got {full_every!r}")
         if not drift_bound > 0:
             raise ValueError(f"drift_bound must be positive, got {drift_bound!r}")
+        transposed = [target.parameter_name for target in optimizer.targets if target.layout.transposed]
+        if transposed:
+            # Their updates are of the experts' W_e = weight[e]ᵀ, and vLLM's GPT-OSS keeps its experts in
+            # a layout of its own (often mxfp4): no placement maps one onto the other.
+            raise ValueError(
+                f"VLLMSync: {len(transposed)} targets are experts stored transposed ([E, in, out], GPT-OSS), e.g. "
+                f"{transposed[0]!r}; the sync does not map them onto vLLM's own layout of such experts (docs/sync.md, "
+                "Limits). Leave them out of LoGRA's targets (patch_model(model, experts=False)) to sync the rest"
+            )
         if check_every and any(target.layout.kind != REPLICATED for target in optimizer.targets):
             warnings.warn(
                 "VLLMSync: the trainer's target weights are sharded (FSDP2/ZeRO-3); the drift check "

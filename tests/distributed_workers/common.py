@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from logra_optim import LoGRAOptimizer, patch_model, patched_targets
-from tests.helpers.tiny import fixed_batch, tiny_qwen2, tiny_qwen3_moe
+from tests.helpers.tiny import fixed_batch, tiny_gpt_oss, tiny_qwen2, tiny_qwen3_moe
 
 WORLD = 2
 STEPS = 3
@@ -35,12 +35,19 @@ def external_non_target(config: str) -> bool:
     return config == "kl-check"
 
 
-def build_model(moe: bool = False) -> torch.nn.Module:
+# Mixture-of-experts models by name, 3 experts per layer, so that FSDP2's shards over experts
+# (``Shard(0)`` of ``[E, d, k]``, or of GPT-OSS's transposed ``[E, k, d]``) are uneven.
+MOE_MODELS = {
+    "qwen3_moe": lambda: tiny_qwen3_moe(num_experts=3),
+    "gpt_oss": lambda: tiny_gpt_oss(num_local_experts=3),
+}
+
+
+def build_model(moe: str | None = None) -> torch.nn.Module:
     """The tiny Qwen2, patched, with the final norm trainable (DDP and DeepSpeed refuse a model
     without a trainable parameter). ``intermediate_size=97`` gives gate/up odd row counts (uneven
-    FSDP2 shards) and ZeRO-3 partitions that end mid-row. ``moe``: the tiny Qwen3-MoE instead, with
-    3 experts per layer, so that FSDP2's shards over experts (``Shard(0)`` of ``[E, d, k]``) are uneven."""
-    model = patch_model(tiny_qwen3_moe(num_experts=3) if moe else tiny_qwen2(intermediate_size=97))
+    FSDP2 shards) and ZeRO-3 partitions that end mid-row. ``moe``: a model of :data:`MOE_MODELS` instead."""
+    model = patch_model(MOE_MODELS[moe]() if moe else tiny_qwen2(intermediate_size=97))
     model.model.norm.weight.requires_grad_(True)
     return model.train()
 
@@ -59,7 +66,7 @@ def logra_kwargs(config: str, world: int, mode: str) -> dict:
     return kwargs
 
 
-def reference(config: str, mode: str, steps: int = STEPS, moe: bool = False) -> dict:
+def reference(config: str, mode: str, steps: int = STEPS, moe: str | None = None) -> dict:
     """One process, the full batch, the same settings as ``mode``'s: final weights and per-step α."""
     model = build_model(moe)
     kwargs = logra_kwargs(config, 1, mode)

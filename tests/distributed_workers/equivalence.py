@@ -51,7 +51,9 @@ def deepspeed_config(stage: int, persistent: bool = False) -> dict:
 class Run:
     """One training setup: ``forward(batch) -> loss``, ``backward``, ``step``, ``weights``, ``save``/``load``."""
 
-    def __init__(self, mode: str, config: str, root_only: bool = False, persistent: bool = False, moe: bool = False):
+    def __init__(
+        self, mode: str, config: str, root_only: bool = False, persistent: bool = False, moe: str | None = None
+    ):
         self.mode, self.config = mode, config
         self.model = build_model(moe)
         kwargs = logra_kwargs(config, dist.get_world_size(), mode)
@@ -182,7 +184,7 @@ def main() -> None:
             results["jvp_error"] = str(error)
         del run
     if mode in MOE_MODES:  # stacked experts: replicated (DDP) or sharded over experts (FSDP2)
-        run = Run(mode, "kl", moe=True)
+        run = Run(mode, "kl", moe="qwen3_moe")
         results["moe"] = trained(run, with_state=True)
         layouts = [(t.layout.kind, t.layout.start, t.layout.stop) for t in run.opt.targets if t.experts > 1]
         results["moe_layouts"] = [None] * dist.get_world_size()

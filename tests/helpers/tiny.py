@@ -107,3 +107,38 @@ def tiny_qwen3_moe(seed: int = 0, dtype: torch.dtype = torch.float32, **override
     model.config._attn_implementation = "eager"
     model.config._experts_implementation = experts_implementation
     return model
+
+
+def tiny_gpt_oss(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+    """A two-layer GPT-OSS (4 experts, top-2; a sliding-window layer then a full one, attention sinks)
+    with eager attention and experts. Its experts are stored transposed (``gate_up_proj`` ``[E, H, 2I]``
+    with gate and up interleaved, ``down_proj`` ``[E, I, H]``) with biases; experts and biases get
+    std-0.2 weights so that biases and the gate's clamp matter."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    config = dict(
+        vocab_size=128,
+        hidden_size=16,
+        intermediate_size=12,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=4,
+        max_position_embeddings=131072,  # GPT-OSS's own: its YaRN factor 32 × 4096 (no cache is allocated)
+        tie_word_embeddings=False,
+    )
+    experts_implementation = overrides.pop("experts_implementation", "eager")
+    config.update(overrides)
+    torch.manual_seed(seed)
+    model = GptOssForCausalLM(GptOssConfig(**config))
+    for layer in model.model.layers:
+        for parameter in layer.mlp.experts.parameters():
+            torch.nn.init.normal_(parameter, std=0.2)
+    model.to(dtype)
+    model.config._attn_implementation = "eager"
+    model.config._experts_implementation = experts_implementation
+    return model
