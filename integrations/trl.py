@@ -272,6 +272,16 @@ def _use_compressed_vllm_sync(trainer: Trainer, callback: LoGRACallback, options
         optimizer = callback.optimizer
         if optimizer is None:  # no LoGRA optimizer yet: nothing to record updates from
             return full_sync()
+        transposed = [target.parameter_name for target in optimizer.targets if target.layout.transposed]
+        if transposed:  # VLLMSync cannot place them (vLLM keeps GPT-OSS's experts in a layout of its own)
+            if not holder.get("warned_transposed"):
+                holder["warned_transposed"] = True
+                warnings.warn(
+                    f"attach_logra: {len(transposed)} targets are experts stored transposed (GPT-OSS), e.g. "
+                    f"{transposed[0]!r}, which the compressed sync cannot place in vLLM; keeping TRL's full sync",
+                    stacklevel=2,
+                )
+            return full_sync()
         if server and any(target.layout.kind != REPLICATED for target in optimizer.targets):
             if not holder.get("warned_sharded"):
                 holder["warned_sharded"] = True

@@ -108,7 +108,7 @@ def weight_layout(name: str, weight: torch.Tensor, transposed: bool = False) -> 
             raise ValueError(
                 f"target {name!r}: experts stored transposed ([E, in, out], e.g. GPT-OSS) under DeepSpeed ZeRO-3, "
                 "whose flat partition of that storage is no range of the experts' rows; LoGRA merges into such "
-                "experts only replicated (DDP, ZeRO-1/2) or sharded over experts (FSDP2). Use one of those, or "
+                "experts replicated (DDP; ZeRO-1/2, untested) or sharded over experts (FSDP2). Use one of those, or "
                 "patch_model(model, experts=False)"
             )
         partition = weight.ds_tensor.ds_numel

@@ -43,12 +43,17 @@ SUPPORTED_LAYOUTS = (
 )
 
 
+# The dtypes of expert weights LoGRA trains; anything else (uint8 blocks, float8) is quantized.
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 def holds_experts(module: nn.Module) -> bool:
-    """Whether ``module`` holds stacked expert weights, recognised or not: 3-D parameters of its own
-    in a module named ``*Experts`` (as every transformers experts class is) or with ``num_experts``.
-    Other 3-D parameters (convolutions of hybrid models) are not experts."""
+    """Whether ``module`` holds stacked expert weights, recognised or not: parameters of its own with
+    3 or more dimensions (packed quantized experts, e.g. mxfp4, have 4) in a module named ``*Experts``
+    (as every transformers experts class is) or with ``num_experts``. Other 3-D parameters
+    (convolutions of hybrid models) are not experts."""
     named = type(module).__name__.endswith("Experts") or hasattr(module, "num_experts")
-    return named and any(p.dim() == 3 for p in module.parameters(recurse=False))
+    return named and any(p.dim() >= 3 for p in module.parameters(recurse=False))
 
 
 def expert_weight_names(name: str, module: nn.Module) -> tuple[str, str]:
@@ -62,6 +67,10 @@ def expert_weight_names(name: str, module: nn.Module) -> tuple[str, str]:
             "(frozen, or trained densely by non_target_optimizer)"
         )
 
+    # First, so that packed quantized experts (GPT-OSS's mxfp4: uint8 blocks) are named for what they are.
+    quantized = [p.dtype for p in module.parameters(recurse=False) if p.dim() >= 3 and p.dtype not in WEIGHT_DTYPES]
+    if quantized:
+        raise refuse(f"quantized experts ({quantized[0]}) are not supported; load the model dequantized")
     if not all(hasattr(module, a) for a in ("num_experts", "has_gate", "is_transposed", "_apply_gate")):
         raise refuse("its layout is not recognised (not built by transformers' use_experts_implementation)")
     if getattr(module, "_is_expert_parallel", False):
@@ -70,11 +79,6 @@ def expert_weight_names(name: str, module: nn.Module) -> tuple[str, str]:
     weights = [getattr(module, n, None) for n in names]
     if not all(isinstance(w, nn.Parameter) and w.dim() == 3 for w in weights):
         raise refuse(f"it lacks 3-D parameters {names[0]!r} and {names[1]!r}")
-    unsupported = [
-        w.dtype for w in weights if w.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-    ]
-    if unsupported:
-        raise refuse(f"quantized experts ({unsupported[0]}) are not supported")
     first, second = (expert_matrices(w, module.is_transposed) for w in weights)
     width = first.shape[1] // 2 if module.has_gate else first.shape[1]
     if first.shape[0] != module.num_experts or second.shape != (module.num_experts, first.shape[2], width):
@@ -130,6 +134,11 @@ def routed_experts(
     return result.index_add(0, tokens_sorted[:start], torch.cat(outputs).to(result.dtype))
 
 
+def _matrices(module: nn.Module, names: tuple[str, str], states) -> tuple[torch.Tensor, ...]:
+    """The ``[E, d, k]`` experts' matrices of the input and output weight (:func:`expert_matrices`)."""
+    return tuple(expert_matrices(getattr(module, name), state.transposed) for name, state in zip(names, states))
+
+
 def _biases(module: nn.Module, names: tuple[str, str]) -> tuple[torch.Tensor | None, ...]:
     if not getattr(module, "has_bias", False):
         return (None, None)
@@ -140,7 +149,7 @@ def sketching_linear(module: nn.Module, names: tuple[str, str], states, hidden: 
     """``linear`` for :func:`routed_experts` in a training forward: each expert's product is a
     :class:`~.sketch.SketchedLinear` into its rows of the sketch. The input weight's ``x Aᵀ`` is
     computed once for all tokens and gathered per expert."""
-    weights = tuple(expert_matrices(getattr(module, name), state.transposed) for name, state in zip(names, states))
+    weights = _matrices(module, names, states)
     biases = _biases(module, names)
     sketches = tuple(state.sketch.view(w.shape[0], w.shape[1], -1) for state, w in zip(states, weights))
     projected_input = states[0].shared_projection.project(hidden)
@@ -157,7 +166,7 @@ def sketching_linear(module: nn.Module, names: tuple[str, str], states, hidden: 
 def probing_linear(module: nn.Module, names: tuple[str, str], states):
     """``linear`` for :func:`routed_experts` while a KL probe runs: expert ``e``'s product with
     ``W_e`` plus the low-rank change ``−(x Aᵀ) F_eᵀ`` of the proposed update (as tangent or branch)."""
-    weights = tuple(expert_matrices(getattr(module, name), state.transposed) for name, state in zip(names, states))
+    weights = _matrices(module, names, states)
     biases = _biases(module, names)
 
     def linear(which: int, expert: int, x: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:

@@ -567,6 +567,17 @@ def test_quantized_experts_are_refused():
         patch_model(model)
 
 
+def test_gpt_oss_in_mxfp4_is_refused_not_left_untrained():
+    """transformers' mxfp4 GPT-OSS experts pack their weights as 4-D uint8 blocks, already frozen: they
+    must be refused by name, not skipped (which would train attention alone without a word)."""
+    from transformers.integrations.mxfp4 import Mxfp4GptOssExperts
+
+    model = tiny_gpt_oss(hidden_size=32, intermediate_size=32)
+    model.model.layers[1].mlp.experts = Mxfp4GptOssExperts(model.config)
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.experts.*quantized experts \(torch.uint8\).*dequantized"):
+        patch_model(model)
+
+
 def test_unpatch_restores_the_experts_module():
     model = tiny_qwen3_moe()
     experts = model.model.layers[0].mlp.experts

@@ -453,7 +453,8 @@ class VLLMSync:
             raise ValueError(
                 f"VLLMSync: {len(transposed)} targets are experts stored transposed ([E, in, out], GPT-OSS), e.g. "
                 f"{transposed[0]!r}; the sync does not map them onto vLLM's own layout of such experts (docs/sync.md, "
-                "Limits). Leave them out of LoGRA's targets (patch_model(model, experts=False)) to sync the rest"
+                "Limits). Leave them out of LoGRA's targets (patch_model(model, experts=False)) to sync the rest, or "
+                "sync full weights (with TRL, attach_logra does, with a warning)"
             )
         if check_every and any(target.layout.kind != REPLICATED for target in optimizer.targets):
             warnings.warn(
