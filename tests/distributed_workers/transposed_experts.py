@@ -40,6 +40,7 @@ def main() -> None:
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, [layout for layout, t in zip(layouts, run.opt.targets) if t.experts > 1])
         results[mode] = {"weights": run.weights(), "alphas": alphas, "layouts": everyone}
+        del run  # DDP's and FSDP2's state released before the next mode and before the group goes
     if rank == 0:
         torch.save(results, os.path.join(out, "transposed_experts.pt"))
         print(json.dumps({"ok": list(results)}))
