@@ -71,11 +71,13 @@ CENTRES = {
     "lora": 1e-3,
     "galore": TINY.galore,
     "apollo-mini": TINY.apollo_mini,
-    # LoGRA's budget with its default first moment: a decade below the paper rule's best (3e-2), since
+    # LoGRA's budget with its default first moment: a decade below the paper rule's best, since
     # coherent steps add up their KL (docs/benchmarks.md, "The first moment on this benchmark").
     "kl_budget": 3e-3,
     "update_ratio": 5e-2,
 }
+# LoGRA's budget centre without a first moment (--beta1 0): the paper rule's best on this benchmark.
+PAPER_RULE_BUDGET = 3e-2
 SWEEP_FACTOR = 3.0
 # The option holding each sweep's explicit values.
 SWEEP_OPTIONS = {
@@ -180,7 +182,8 @@ def sweeps_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> di
         key = args.logra_knob if method == "logra" else method
         explicit = getattr(args, SWEEP_OPTIONS[key][2:].replace("-", "_"))
         knob = "lr" if method != "logra" else args.logra_knob
-        sweeps[method] = (knob, explicit if explicit is not None else default_sweep(CENTRES[key], size))
+        centre = PAPER_RULE_BUDGET if key == "kl_budget" and args.beta1 == 0 else CENTRES[key]
+        sweeps[method] = (knob, explicit if explicit is not None else default_sweep(centre, size))
     sizes = {method: len(values) for method, (_, values) in sweeps.items()}
     if len(set(sizes.values())) > 1:
         listed = ", ".join(f"{SWEEP_OPTIONS[args.logra_knob if m == 'logra' else m]} {n}" for m, n in sizes.items())

@@ -52,7 +52,7 @@ def param_group_defaults(
     beta2: float,
     eps: float,
     ratio_scope: str = "target",
-    beta1: float = 0.0,
+    beta1: float = 0.9,
 ) -> dict[str, Any]:
     """The target group's settings, which live in ``param_groups[0]`` (where LR schedulers and
     ``load_state_dict`` change them), validated: ``lr_mode`` is ``"update_ratio"`` (``lr`` is the
@@ -93,7 +93,7 @@ class StepOptions:
     seed: int = 0
     projection: str = "rademacher"
     refresh: bool = True
-    refresh_every: int = 1
+    refresh_every: int = 10
     share_projections: bool = True
     wire_dtype: torch.dtype | None = torch.bfloat16
     stochastic_rounding: bool = True

@@ -75,6 +75,17 @@ def test_sweeps_have_equal_sizes_by_default():
     assert bench.overrides("logra", "update_ratio", 0.1) == {"kl_budget": None, "update_ratio": 0.1}
 
 
+def test_logra_budget_sweep_follows_the_first_moment():
+    """The optimizer's defaults (a first moment) race around a budget a decade below the paper's rule,
+    whose sweep (``--beta1 0``) centres on its own best."""
+    parser = bench.build_parser()
+    args = parser.parse_args([])
+    assert (args.beta1, args.refresh_every) == (0.9, 10)  # LoGRAOptimizer's defaults
+    assert bench.sweeps_from(args, parser)["logra"] == ("kl_budget", [1e-3, 3e-3, 9e-3])
+    args = parser.parse_args(["--beta1", "0", "--refresh-every", "1"])
+    assert bench.sweeps_from(args, parser)["logra"] == ("kl_budget", [1e-2, 3e-2, 9e-2])
+
+
 def test_each_sweep_value_reaches_its_own_method():
     """A setting of the LoRA sweep sets LoRA's learning rate, not AdamW's (and the other way round),
     and the worker's trainer gets the learning rate of the method it runs."""

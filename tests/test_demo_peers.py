@@ -161,3 +161,13 @@ def test_a_bad_peer_scope_is_refused_by_name(capsys, tmp_path):
     with pytest.raises(ValueError, match="peer_scope must be one of all, targets, got 'some'"):
         demo.DemoSettings(output=str(tmp_path), peer_scope="some")
     assert "--peer-scope" in usage_error(capsys, "demo", "--peer-scope", "some", "--output", str(tmp_path / "out"))
+
+
+def test_a_peer_without_trainable_targets_is_refused_by_name():
+    from logra_optim.cli.peers import low_rank_optimizer
+    from tests.helpers.tiny import tiny_qwen2
+
+    model = tiny_qwen2().requires_grad_(False)
+    model.lm_head.requires_grad_(True)
+    with pytest.raises(ValueError, match="galore: the model has no trainable weight of LoGRA's target matrices"):
+        low_rank_optimizer(model, "galore", 32, lr=1e-3)

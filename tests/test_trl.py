@@ -246,7 +246,7 @@ def test_resume_from_checkpoint_is_bit_identical(kind, tmp_path):
 
     def train(out, resume=None, **overrides):
         trainer = setup.build_trainer(kind, path, tmp_path / out, **config, **overrides)
-        quiet_attach(trainer)
+        quiet_attach(trainer, refresh_every=3)  # a redraw after the resume: the first moment's carry
         trainer.train(resume_from_checkpoint=resume)
         return trainer
 

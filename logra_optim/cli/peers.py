@@ -64,20 +64,27 @@ def lora_model(model, rank: int):
 
 
 def trainable(model) -> list[torch.nn.Parameter]:
+    """The parameters an optimizer over ``model`` takes: those that require grad."""
     return [p for p in model.parameters() if p.requires_grad]
 
 
 def low_rank_optimizer(model, method: str, rank: int, **adamw) -> torch.optim.Optimizer:
     """The optimizer of a low-rank peer (one of ``LOW_RANK_PEERS``) over every trainable parameter
     of ``model``: GaLore's or APOLLO's rule on the weights of LoGRA's targets (rank ``rank``, or
-    ``FIXED_RANKS[method]``), plain AdamW on the rest (stacked experts included; none after
-    :func:`train_only_targets`). ``adamw``: the optimizer's ``lr``, ``betas``, ``eps``,
-    ``weight_decay``."""
+    ``FIXED_RANKS[method]``), plain AdamW on the rest: after :func:`train_only_targets` only the
+    stacked experts of a mixture-of-experts model, which neither package projects. ``adamw``: the
+    optimizer's ``lr``, ``betas``, ``eps``, ``weight_decay``."""
     if method not in LOW_RANK_PEERS:
         raise ValueError(f"unknown low-rank peer {method!r}; choose from {', '.join(LOW_RANK_PEERS)}")
     low_rank = {id(module.weight) for _, module in find_target_modules(model)}
-    projected = [p for p in trainable(model) if id(p) in low_rank]
-    regular = [p for p in trainable(model) if id(p) not in low_rank]
+    parameters = trainable(model)
+    projected = [p for p in parameters if id(p) in low_rank]
+    regular = [p for p in parameters if id(p) not in low_rank]
+    if not projected:  # it would be plain AdamW under the peer's name
+        raise ValueError(
+            f"{method}: the model has no trainable weight of LoGRA's target matrices for its low-rank rule "
+            "(frozen, or no target found: see logra_optim.find_target_modules)"
+        )
     if method == "galore":
         from galore_torch import GaLoreAdamW
 
