@@ -423,6 +423,19 @@ def test_unsupported_experts_layouts_are_refused_by_name():
     assert not patched_targets(mismatched)
 
 
+def _patched_beside(reference):
+    """A patched copy of ``reference`` (a float64 MoE model) and its rank-4 optimizer, beside the
+    reference's own training forward and backward on a fixed batch: ``(model, batch, reference's
+    output, optimizer, expert targets)``."""
+    model = copy.deepcopy(reference)
+    batch = fixed_batch(batch=2, seq=10)
+    reference.train(), model.train()
+    expected = reference(**batch)
+    expected.loss.backward()
+    optimizer = LoGRAOptimizer(patch_model(model), rank=4)
+    return model, batch, expected, optimizer, [target for target in optimizer.targets if target.experts > 1]
+
+
 def test_gpt_oss_experts_are_targets_with_exact_sketches():
     """GPT-OSS stores its experts transposed (``[E, in, out]``, gate and up interleaved) with biases:
     both stacked weights of every layer become targets, each the ``E·d × k`` matrix of its experts'
@@ -431,13 +444,7 @@ def test_gpt_oss_experts_are_targets_with_exact_sketches():
     ones; each sketch equals the dense gradient of the ``W_e`` times ``Aᵀ`` (float64 model, fp32
     sketches); in eval mode the model's own implementation runs and nothing is sketched."""
     reference = tiny_gpt_oss(dtype=torch.float64)
-    model = copy.deepcopy(reference)
-    batch = fixed_batch(batch=2, seq=10)
-    reference.train(), model.train()
-    expected = reference(**batch)
-    expected.loss.backward()
-    optimizer = LoGRAOptimizer(patch_model(model), rank=4)
-    experts = [target for target in optimizer.targets if target.experts > 1]
+    model, batch, expected, optimizer, experts = _patched_beside(reference)
     names = [f"model.layers.{layer}.mlp.experts.{w}" for layer in (0, 1) for w in ("gate_up_proj", "down_proj")]
     assert [target.parameter_name for target in experts] == names
     # gate_up: d = 2I = 24 rows per expert over k = H = 16; down: d = H = 16 over k = I = 12.
@@ -677,13 +684,7 @@ def test_other_families_experts_are_targets_with_exact_sketches(family):
     model's own, and each sketch equals the dense gradient of the model's eager experts times ``Aᵀ``
     (float64 model, fp32 sketches); a step moves them (and works on float64 weights)."""
     reference = _tiny_family(family)
-    model = copy.deepcopy(reference)
-    batch = fixed_batch(batch=2, seq=10)
-    reference.train(), model.train()
-    expected = reference(**batch)
-    expected.loss.backward()
-    optimizer = LoGRAOptimizer(patch_model(model), rank=4)
-    experts = [target for target in optimizer.targets if target.experts > 1]
+    model, batch, expected, optimizer, experts = _patched_beside(reference)
     stacked = [name for name, p in reference.named_parameters() if "experts" in name and p.dim() == 3]
     assert sorted(target.parameter_name for target in experts) == sorted(stacked) and stacked
     got = model(**batch)
