@@ -6,7 +6,8 @@ run in a fresh process through ``logra_optim.cli.runner``):
     ``adamw``          dense AdamW on every parameter;
     ``adamw-targets``  AdamW on exactly LoGRA's target matrices (``patch_model``'s choice), the rest frozen;
     ``lora``           peft LoRA on the same target modules, ``r = --rank``, ``lora_alpha = 2r``;
-    ``logra``          ``attach_logra`` at ``--rank``;
+    ``logra``          ``attach_logra`` at ``--rank`` (with ``--logra-non-target-lr``, AdamW at that
+                       rate on every other parameter beside it);
 
 and on request (``--methods``), the memory-efficient low-rank peers, on every parameter as dense AdamW:
 
@@ -145,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=demo.PEER_SCOPES,
         default="all",
         help="what GaLore and APOLLO-Mini train: all parameters, or only LoGRA's targets (the rest frozen)",
+    )
+    parser.add_argument(
+        "--logra-non-target-lr",
+        type=positive_float,
+        default=None,
+        help="AdamW at this rate on every parameter that is not a LoGRA target, beside LoGRA (default: frozen)",
     )
     parser.add_argument(
         "--policy", choices=sorted(demo.POLICIES), default="tiny", help="the demo's built-in policy to train"
@@ -406,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
             "final_window": window,
             "digits": args.digits,
             "peer_scope": args.peer_scope,
+            "logra_non_target_lr": args.logra_non_target_lr,
             "device": device_name,
         },
         "tasks": {},
@@ -433,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
             probe_dtype=None,  # as the stored results were measured
             warm_start_lr=args.warm_start_lr,
             peer_scope=args.peer_scope,
+            logra_non_target_lr=args.logra_non_target_lr,
         )
         if args.quick:
             base.batch_size = 32

@@ -171,3 +171,53 @@ def test_a_peer_without_trainable_targets_is_refused_by_name():
     model.lm_head.requires_grad_(True)
     with pytest.raises(ValueError, match="galore: the model has no trainable weight of LoGRA's target matrices"):
         low_rank_optimizer(model, "galore", 32, lr=1e-3)
+
+
+@pytest.mark.parametrize("rate", [None, 2e-3])
+def test_demo_worker_trains_logras_non_targets_with_adamw_on_request(warm_settings, monkeypatch, rate):
+    """``logra_non_target_lr``: LoGRA on its targets and AdamW at that rate on every other parameter
+    (embeddings, norms), through ``non_target_optimizer``; unset, the rest stays frozen bit for bit."""
+    import trl
+
+    from logra_optim import LoGRAOptimizer
+
+    seen = {}
+    train = trl.GRPOTrainer.train
+
+    def observed_train(trainer, *args, **kwargs):
+        seen["before"] = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+        seen["trainer"] = trainer
+        return train(trainer, *args, **kwargs)
+
+    monkeypatch.setattr(trl.GRPOTrainer, "train", observed_train)
+    settings = asdict(warm_settings) | {"logra_non_target_lr": rate}
+    record = demo.run_worker({"settings": settings, "method": "logra", "seed": 0})
+    trainer = seen["trainer"]
+    optimizer = trainer.optimizer.optimizer
+    assert isinstance(optimizer, LoGRAOptimizer)
+    model = trainer.model
+    targets = {f"{name}.weight" for name, _ in find_target_modules(model)}
+    parameters = dict(model.named_parameters())
+    others = [name for name in parameters if name not in targets]
+    assert others and "model.embed_tokens.weight" in others
+    for name in targets:
+        assert not torch.equal(seen["before"][name], parameters[name]), name
+    if rate is None:
+        assert optimizer.non_target_optimizer is None
+        assert all(torch.equal(seen["before"][name], parameters[name]) for name in others)
+        assert record["trained_params"] == sum(parameters[name].numel() for name in targets)
+        return
+    inner = optimizer.non_target_optimizer
+    assert type(inner) is torch.optim.AdamW and [group["lr"] for group in inner.param_groups] == [rate]
+    assert {id(p) for p in inner.param_groups[0]["params"]} == {id(parameters[name]) for name in others}
+    for name in ("model.embed_tokens.weight", "model.norm.weight"):
+        assert not torch.equal(seen["before"][name], parameters[name]), name
+    assert record["trained_params"] == sum(p.numel() for p in model.parameters())
+
+
+def test_a_bad_logra_non_target_rate_is_refused_by_name(capsys, tmp_path):
+    for rate in (0.0, -1e-3, float("nan")):
+        with pytest.raises(ValueError, match="logra_non_target_lr must be a positive finite learning rate"):
+            demo.DemoSettings(output=str(tmp_path), logra_non_target_lr=rate)
+    argv = ["--logra-non-target-lr", "0", "--output", str(tmp_path / "out")]
+    assert "--logra-non-target-lr" in usage_error(capsys, "demo", *argv)

@@ -25,6 +25,7 @@ evaluations) and ``memory.png`` next to ``summary.json`` in the output directory
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import json
 import os
@@ -114,6 +115,10 @@ class DemoSettings:
     # AdamW on the rest, as their users run them) or only LoGRA's "targets" (the rest frozen, the
     # same trained set as LoGRA, AdamW on the targets and LoRA).
     peer_scope: str = "all"
+    # LoGRA trains its target matrices only, the rest frozen as in the paper, unless this is set: then
+    # AdamW at this rate trains every other parameter (embeddings, norms, biases) beside it, through
+    # LoGRAOptimizer's non_target_optimizer, as GaLore and APOLLO-Mini do with peer_scope "all".
+    logra_non_target_lr: float | None = None
     eval_every: int = 50  # greedy evaluation every this many updates (0: before and after RL only)
     warm_start_steps: int = 1000
     warm_start_reward: float = 0.45
@@ -140,6 +145,9 @@ class DemoSettings:
         self.warm_start_lr = self.warm_start_lr or rates.warm_start
         if self.peer_scope not in PEER_SCOPES:
             raise ValueError(f"peer_scope must be one of {', '.join(PEER_SCOPES)}, got {self.peer_scope!r}")
+        rate = self.logra_non_target_lr
+        if rate is not None and not (isinstance(rate, int | float) and math.isfinite(rate) and rate > 0):
+            raise ValueError(f"logra_non_target_lr must be a positive finite learning rate or None, got {rate!r}")
 
     def learning_rate(self, method: str) -> float:
         """The learning rate ``method`` trains at (LoGRA's optimizer takes none: the AdamW one is the
@@ -199,6 +207,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=PEER_SCOPES,
         default=defaults.peer_scope,
         help="what GaLore and APOLLO-Mini train: all parameters, or only LoGRA's targets (the rest frozen)",
+    )
+    parser.add_argument(
+        "--logra-non-target-lr",
+        type=positive_float,
+        default=None,
+        help="train every parameter that is not a LoGRA target (embeddings, norms) with AdamW at this rate "
+        "beside LoGRA (default: frozen, as in the paper)",
     )
     parser.add_argument(
         "--eval-every", type=int, default=defaults.eval_every, help="greedy evaluation every N updates (0: off)"
@@ -268,6 +283,7 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         galore_lr=args.galore_lr,
         apollo_mini_lr=args.apollo_mini_lr,
         peer_scope=args.peer_scope,
+        logra_non_target_lr=args.logra_non_target_lr,
         eval_every=args.eval_every,
         warm_start_steps=warm,
         seeds=args.seeds,
@@ -581,8 +597,21 @@ def run_worker(spec: dict) -> dict:
             config = model.config
             probe_dtype = faster_probe_dtype(device, 64, config.hidden_size, config.intermediate_size)
 
+        non_targets = {}
+        if settings.logra_non_target_lr is not None:  # patched here, before attach_logra would freeze them
+            from logra_optim import patch_model
+
+            patch_model(model, freeze_non_targets=False)
+            non_targets["non_target_optimizer"] = functools.partial(
+                torch.optim.AdamW,
+                lr=settings.logra_non_target_lr,
+                betas=(args.adam_beta1, args.adam_beta2),
+                eps=args.adam_epsilon,
+                weight_decay=args.weight_decay,
+            )
         attach_logra(
             trainer,
+            **non_targets,
             rank=settings.rank,
             kl_budget=settings.kl_budget,
             update_ratio=settings.update_ratio,
@@ -616,11 +645,17 @@ def run_worker(spec: dict) -> dict:
         "device": device,
         "probe_dtype": probe_dtype,
         # What the optimizer updates (LoGRA's targets take no .grad, so requires_grad undercounts them).
-        "trained_params": sum(p.numel() for group in trainer.optimizer.param_groups for p in group["params"]),
+        "trained_params": sum(p.numel() for group in _param_groups(trainer.optimizer) for p in group["params"]),
         # The optimizer that trained (accelerate wraps it) and the learning rates its groups ended at.
         "optimizer": _qualified_name(type(getattr(trainer.optimizer, "optimizer", trainer.optimizer))),
         "learning_rates": sorted({g["lr"] for g in trainer.optimizer.param_groups if g.get("lr") is not None}),
     }
+
+
+def _param_groups(optimizer) -> list[dict]:
+    """Every parameter group ``optimizer`` steps, LoGRA's ``non_target_optimizer``'s included."""
+    inner = getattr(getattr(optimizer, "optimizer", optimizer), "non_target_optimizer", None)
+    return [*optimizer.param_groups, *(inner.param_groups if inner is not None else [])]
 
 
 def _qualified_name(cls: type) -> str:
