@@ -382,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--warm-start-reward must be in [0, 1] (rewards are), got {args.warm_start_reward}")
     if not 0.0 <= args.beta1 < 1.0:
         parser.error(f"--beta1 must be in [0, 1), got {args.beta1}")
+    if args.logra_non_target_lr is not None and "logra" not in args.methods:
+        parser.error("--logra-non-target-lr sets LoGRA's AdamW on the rest, but --methods has no logra")
     sweeps = sweeps_from(args, parser)
     seeds = args.seeds if args.seeds is not None else ([0, 1] if args.quick else [0, 1, 2, 3, 4])
     steps = min(args.steps, 60) if args.quick else args.steps

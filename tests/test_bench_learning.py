@@ -42,6 +42,8 @@ bench = load_script("bench_learning")
         (["--methods", "galore,apollo-mini", "--apollo-mini-lrs", "1e-4"], "--apollo-mini-lrs 1"),
         (["--beta1", "1.0"], "--beta1"),
         (["--refresh-every", "0"], "--refresh-every"),
+        (["--logra-non-target-lr", "0"], "--logra-non-target-lr"),
+        (["--methods", "adamw", "--logra-non-target-lr", "1e-3"], "--logra-non-target-lr"),
     ],
 )
 def test_bad_input_is_a_usage_error_naming_the_option(capsys, tmp_path, argv, expected):

@@ -209,6 +209,7 @@ def test_demo_worker_trains_logras_non_targets_with_adamw_on_request(warm_settin
         return
     inner = optimizer.non_target_optimizer
     assert type(inner) is torch.optim.AdamW and [group["lr"] for group in inner.param_groups] == [rate]
+    assert rate in record["learning_rates"]
     assert {id(p) for p in inner.param_groups[0]["params"]} == {id(parameters[name]) for name in others}
     for name in ("model.embed_tokens.weight", "model.norm.weight"):
         assert not torch.equal(seen["before"][name], parameters[name]), name
@@ -219,5 +220,8 @@ def test_a_bad_logra_non_target_rate_is_refused_by_name(capsys, tmp_path):
     for rate in (0.0, -1e-3, float("nan")):
         with pytest.raises(ValueError, match="logra_non_target_lr must be a positive finite learning rate"):
             demo.DemoSettings(output=str(tmp_path), logra_non_target_lr=rate)
-    argv = ["--logra-non-target-lr", "0", "--output", str(tmp_path / "out")]
-    assert "--logra-non-target-lr" in usage_error(capsys, "demo", *argv)
+    with pytest.raises(ValueError, match="logra_non_target_lr cannot be combined with realised_kl_check"):
+        demo.DemoSettings(output=str(tmp_path), logra_non_target_lr=1e-3, realised_kl_check=True)
+    for argv in (["--logra-non-target-lr", "0"], ["--methods", "adamw,lora", "--logra-non-target-lr", "1e-3"]):
+        assert "--logra-non-target-lr" in usage_error(capsys, "demo", *argv, "--output", str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()

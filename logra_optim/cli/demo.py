@@ -148,6 +148,11 @@ class DemoSettings:
         rate = self.logra_non_target_lr
         if rate is not None and not (isinstance(rate, int | float) and math.isfinite(rate) and rate > 0):
             raise ValueError(f"logra_non_target_lr must be a positive finite learning rate or None, got {rate!r}")
+        if rate is not None and self.realised_kl_check:
+            raise ValueError(
+                "logra_non_target_lr cannot be combined with realised_kl_check: the measured KL would include the "
+                "non-targets' AdamW step, which the check can neither undo nor rescale"
+            )
 
     def learning_rate(self, method: str) -> float:
         """The learning rate ``method`` trains at (LoGRA's optimizer takes none: the AdamW one is the
@@ -267,6 +272,8 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error(f"--warm-start-reward must be in [0, 1] (rewards are), got {args.warm_start_reward}")
     if not 0.0 <= args.beta1 < 1.0:
         parser.error(f"--beta1 must be in [0, 1), got {args.beta1}")
+    if args.logra_non_target_lr is not None and "logra" not in args.methods:
+        parser.error("--logra-non-target-lr sets LoGRA's AdamW on the rest, but --methods has no logra")
     if args.eval_every < 0:
         parser.error(f"--eval-every must be ≥ 0 (0 turns the evaluations during RL off), got {args.eval_every}")
     settings = DemoSettings(
@@ -648,7 +655,7 @@ def run_worker(spec: dict) -> dict:
         "trained_params": sum(p.numel() for group in _param_groups(trainer.optimizer) for p in group["params"]),
         # The optimizer that trained (accelerate wraps it) and the learning rates its groups ended at.
         "optimizer": _qualified_name(type(getattr(trainer.optimizer, "optimizer", trainer.optimizer))),
-        "learning_rates": sorted({g["lr"] for g in trainer.optimizer.param_groups if g.get("lr") is not None}),
+        "learning_rates": sorted({g["lr"] for g in _param_groups(trainer.optimizer) if g.get("lr") is not None}),
     }
 
 
