@@ -39,11 +39,9 @@ def warm_settings(tmp_path_factory):
     return settings
 
 
-@pytest.mark.parametrize(
-    "method, module, rank, lr",
-    [("galore", "galore_torch", 32, GALORE_LR), ("apollo-mini", "apollo_torch", 1, APOLLO_MINI_LR)],
-)
-def test_demo_worker_trains_the_low_rank_peers(warm_settings, monkeypatch, method, module, rank, lr):
+def run_observed(monkeypatch, settings: dict, method: str) -> tuple[dict, dict]:
+    """The demo worker's record for ``method`` (seed 0), and what its trainer looked like: ``seen``
+    holds the ``trainer`` and every parameter ``before`` training."""
     import trl
 
     seen = {}
@@ -55,7 +53,15 @@ def test_demo_worker_trains_the_low_rank_peers(warm_settings, monkeypatch, metho
         return train(trainer, *args, **kwargs)
 
     monkeypatch.setattr(trl.GRPOTrainer, "train", observed_train)
-    record = demo.run_worker({"settings": asdict(warm_settings), "method": method, "seed": 0})
+    return demo.run_worker({"settings": settings, "method": method, "seed": 0}), seen
+
+
+@pytest.mark.parametrize(
+    "method, module, rank, lr",
+    [("galore", "galore_torch", 32, GALORE_LR), ("apollo-mini", "apollo_torch", 1, APOLLO_MINI_LR)],
+)
+def test_demo_worker_trains_the_low_rank_peers(warm_settings, monkeypatch, method, module, rank, lr):
+    record, seen = run_observed(monkeypatch, asdict(warm_settings), method)
     trainer = seen["trainer"]
     optimizer = trainer.optimizer.optimizer  # accelerate's wrapper around the one the worker passed
     assert type(optimizer).__module__.startswith(module + ".")
@@ -177,21 +183,9 @@ def test_a_peer_without_trainable_targets_is_refused_by_name():
 def test_demo_worker_trains_logras_non_targets_with_adamw_on_request(warm_settings, monkeypatch, rate):
     """``logra_non_target_lr``: LoGRA on its targets and AdamW at that rate on every other parameter
     (embeddings, norms), through ``non_target_optimizer``; unset, the rest stays frozen bit for bit."""
-    import trl
-
     from logra_optim import LoGRAOptimizer
 
-    seen = {}
-    train = trl.GRPOTrainer.train
-
-    def observed_train(trainer, *args, **kwargs):
-        seen["before"] = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
-        seen["trainer"] = trainer
-        return train(trainer, *args, **kwargs)
-
-    monkeypatch.setattr(trl.GRPOTrainer, "train", observed_train)
-    settings = asdict(warm_settings) | {"logra_non_target_lr": rate}
-    record = demo.run_worker({"settings": settings, "method": "logra", "seed": 0})
+    record, seen = run_observed(monkeypatch, asdict(warm_settings) | {"logra_non_target_lr": rate}, "logra")
     trainer = seen["trainer"]
     optimizer = trainer.optimizer.optimizer
     assert isinstance(optimizer, LoGRAOptimizer)
