@@ -34,12 +34,14 @@ from logra_optim.probe import (
     default_logits_fn,
     finite_difference_predicted_kl,
     jvp_predicted_kl,
+    subsample_positions,
 )
 
 BUDGETS = (1e-5, 3e-5, 1e-4, 2e-4)
 # (probe, realised-KL check, probe dtype): the two predictors, the JVP probe with the check that
 # measures the true KL after merging and retries with a rescaled α when it is off by more than 5%,
-# and the JVP probe with bf16 products (probe_dtype).
+# and the JVP probe with bf16 products (probe_dtype). Then the JVP probe on random subsets of the
+# positions (probe_positions: each of --acc-positions), its realised KL measured on all of them.
 VARIANTS = (
     ("jvp", False, None),
     ("finite_difference", False, None),
@@ -80,8 +82,10 @@ def accuracy(args) -> list[dict]:
     contexts = contexts_from_batch(ids, labels=ids, samples=2)
 
     rows = []
-    for probe, check, dtype in VARIANTS:
+    subsets = [("jvp", False, None, int(n)) for n in filter(None, args.acc_positions.split(","))]
+    for probe, check, dtype, positions in [(*variant, None) for variant in VARIANTS] + subsets:
         name = probe + (" + realised-KL check" if check else "") + (" (bf16 products)" if dtype else "")
+        name += f" ({positions} of {contexts.tokens} positions)" if positions else ""
         for budget in BUDGETS:
             model = patch_model(copy.deepcopy(base))
             opt = LoGRAOptimizer(
@@ -94,6 +98,7 @@ def accuracy(args) -> list[dict]:
                 realised_kl_check=check,
                 realised_kl_tolerance=0.05,
                 probe_dtype=dtype,
+                probe_positions=positions,
             )
             ratios = []
             for _ in range(args.acc_steps):
@@ -154,6 +159,10 @@ def cost_worker(spec: dict) -> dict:
     plain_s = _median_seconds(plain, runs, warmup)
     # Both JVP timings as the optimizer runs the probe without a realised-KL check (chunked LM head).
     jvp_s = _median_seconds(lambda: jvp_predicted_kl(model, targets, factors, contexts, keep_base=False), runs, warmup)
+    subset = subsample_positions(contexts, spec["positions"], seed=1)
+    jvp_subset_s = _median_seconds(
+        lambda: jvp_predicted_kl(model, targets, factors, subset, keep_base=False), runs, warmup
+    )
     jvp_bf16_s = _median_seconds(
         lambda: jvp_predicted_kl(model, targets, factors, contexts, keep_base=False, compute_dtype=torch.bfloat16),
         runs,
@@ -178,6 +187,9 @@ def cost_worker(spec: dict) -> dict:
         "plain_forward_s": plain_s,
         "jvp_s": jvp_s,
         "jvp_bf16_s": jvp_bf16_s,
+        "subset_positions": subset.tokens,
+        "jvp_subset_s": jvp_subset_s,
+        "jvp_subset_over_floor": jvp_subset_s / floor_s,
         "fd_s": fd_s,
         "frozen_forward_backward_s": floor_s,
         "jvp_over_forward": jvp_s / plain_s,
@@ -196,6 +208,12 @@ def main() -> None:
     parser.add_argument("--acc-steps", type=int, default=5)
     parser.add_argument("--pretrain-steps", type=int, default=60)
     parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument(
+        "--acc-positions",
+        default="32,64",
+        help="comma-separated probe_positions of the accuracy's subset rows (of 126)",
+    )
+    parser.add_argument("--cost-positions", type=int, default=128, help="probe_positions of the cost's subset column")
     parser.add_argument("--cost-rank", type=int, default=64)
     parser.add_argument("--sizes", type=str, default="512x4,1024x4", help="hidden×layers of the cost runs")
     parser.add_argument("--vocab", type=int, default=32000)
@@ -215,6 +233,7 @@ def main() -> None:
             vocab=args.vocab,
             seq=args.seq,
             samples=args.samples,
+            positions=args.cost_positions,
             rank=args.cost_rank,
             runs=args.runs,
             warmup=args.warmup,
@@ -225,6 +244,7 @@ def main() -> None:
             f"cost hidden {hidden} layers {layers} ({row['tokens']} probe tokens, r={row['rank']}): "
             f"JVP {row['jvp_over_forward']:.2f}× a forward ({row['jvp_over_floor']:.2f}× the frozen forward+backward), "
             f"bf16 JVP {row['jvp_bf16_over_forward']:.2f}× ({row['jvp_bf16_over_floor']:.2f}×), "
+            f"JVP on {row['subset_positions']} positions {row['jvp_subset_over_floor']:.2f}× the floor, "
             f"FD {row['fd_over_forward']:.2f}×",
             file=sys.stderr,
         )
@@ -234,15 +254,16 @@ def main() -> None:
         print(f"| {row['probe']} | {row['budget']:.0e} | {row['median']:.3f} [{row['min']:.3f}, {row['max']:.3f}] |")
     print(
         "\n| model (hidden × layers, vocab) | probe tokens | plain forward s | frozen fwd+bwd s | JVP probe "
-        "| JVP probe, bf16 products | FD probe |"
+        "| JVP probe, bf16 products | JVP probe, a subset of positions | FD probe |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for row in results["cost"]:
         print(
             f"| {row['hidden']} × {row['layers']}, {row['vocab']} | {row['tokens']} | {row['plain_forward_s']:.3f} "
             f"| {row['frozen_forward_backward_s']:.3f} | {row['jvp_over_forward']:.2f}× ({row['jvp_over_floor']:.2f}×) "
             f"| {row['jvp_bf16_over_forward']:.2f}× ({row['jvp_bf16_over_floor']:.2f}×) "
-            f"| {row['fd_over_forward']:.2f}× |"
+            f"| {row['subset_positions']}: {row['jvp_subset_s'] / row['plain_forward_s']:.2f}× "
+            f"({row['jvp_subset_over_floor']:.2f}×) | {row['fd_over_forward']:.2f}× |"
         )
     if args.json:
         with open(args.json, "w") as f:

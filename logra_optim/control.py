@@ -36,6 +36,7 @@ from .probe import (
     finite_difference_predicted_kl,
     jvp_predicted_kl,
     realised_kl,
+    subsample_positions,
 )
 
 
@@ -165,14 +166,15 @@ class KLController:
     # Choosing α
 
     def choose(self, targets: Sequence[TargetState], factors: Sequence[torch.Tensor], update: int) -> StepChoice:
-        """α for update ``update`` (1-based) whose unit step is ``D = −F A`` per target.
+        """α for update ``update`` (1-based) whose unit step is ``D = −F A`` per target, probed on
+        the contexts (at most ``probe_positions`` of their positions, drawn with ``update`` as the seed).
 
         Raises :class:`UpdateSkipped` if the predicted KL is not a finite non-negative number.
         """
         if not self.options.enabled:
             return StepChoice(1.0, {})
         options = self.options
-        contexts = self.contexts()
+        contexts = subsample_positions(self.contexts(), options.probe_positions, update)
         budget = budget_at(options.budget, update)
         budget_eff = effective_budget(budget, self.mismatch)
         started = time.perf_counter()

@@ -124,6 +124,13 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             (``KL(θ ‖ θ+εD)/ε²``, two forwards, exact full-vocabulary KL).
         probe_samples: sequences of the latest training forward used as probe contexts, spread
             evenly over its batch (a batch grouped by prompt is not probed on one prompt alone).
+        probe_positions: probe at most this many of those sequences' positions, a uniform random
+            subset drawn afresh at every update (reproducibly: seeded by the update index), and
+            only the sequences that keep one; default ``None``: all. The probe's LM head and its
+            vocabulary arithmetic scale with the positions, its decoder with the sequences, so this
+            bounds what a long completion or a large vocabulary costs. ``q`` is a mean over
+            positions, which the subset estimates without bias (docs/benchmarks.md measures what
+            it costs the prediction).
         probe_dtype: ``None`` (the probe computes in the weights' precision) or ``torch.bfloat16``:
             the matrix products of the JVP probe's linear layers are bf16 (through one reusable
             bf16 copy of the weight being multiplied; the LM head cast once per probe), everything else keeps
@@ -179,6 +186,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         non_target_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | str | None = None,
         probe: str = "jvp",
         probe_samples: int = 2,
+        probe_positions: int | None = None,
         probe_dtype: torch.dtype | None = None,
         temperature: float = 1.0,
         probe_logits_fn: LogitsFn | None = None,
@@ -213,6 +221,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             alpha_max=alpha_max,
             probe=probe,
             probe_samples=probe_samples,
+            probe_positions=probe_positions,
             probe_dtype=probe_dtype,
             temperature=temperature,
             probe_logits_fn=probe_logits_fn,

@@ -127,6 +127,7 @@ class KLOptions:
     alpha_max: float = 3.0
     probe: str = "jvp"
     probe_samples: int = 2
+    probe_positions: int | None = None
     probe_dtype: torch.dtype | None = None
     temperature: float = 1.0
     probe_logits_fn: LogitsFn | None = None
@@ -142,6 +143,8 @@ class KLOptions:
         if self.probe not in PROBES:
             raise ValueError(f"probe must be one of {PROBES}, got {self.probe!r}")
         _non_negative_int("probe_samples", self.probe_samples, minimum=1)
+        if self.probe_positions is not None:
+            _non_negative_int("probe_positions", self.probe_positions, minimum=1)
         if self.probe_dtype is not None:
             if self.probe_dtype != torch.bfloat16:
                 raise ValueError(

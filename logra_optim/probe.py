@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .attention import AttentionTangentMode
 from .kl import exact_kl_terms, fisher_kl_terms
 from .sketch import SharedProjection
 
@@ -92,6 +93,28 @@ def spread_rows(batch: int, samples: int | None) -> torch.Tensor | slice:
     if samples is None or samples >= batch:
         return slice(None)
     return torch.div(torch.arange(samples) * batch, samples, rounding_mode="floor")
+
+
+def subsample_positions(contexts: ProbeContexts, limit: int | None, seed: int) -> ProbeContexts:
+    """At most ``limit`` of the contexts' probe positions: a uniform random subset without
+    replacement (drawn by a CPU generator seeded with ``seed``, so the same on every device), and
+    only the sequences that keep a position. The contexts themselves when they have no more.
+
+    ``q`` is the mean of the per-position terms, and the mean over a uniform random subset is an
+    unbiased estimate of it. Random, not every n-th position: a stride can alias with the
+    structure of the text (every digit, or every separator, of a list). Dropping a sequence with
+    no kept position changes no other sequence's logits."""
+    if limit is None or contexts.tokens <= limit:
+        return contexts
+    mask = contexts.probe_mask
+    positions = mask.flatten().nonzero().squeeze(1)
+    order = torch.randperm(positions.numel(), generator=torch.Generator().manual_seed(seed))
+    kept = torch.zeros_like(mask).flatten()
+    kept[positions[order[:limit].to(positions.device)]] = True
+    kept = kept.view_as(mask)
+    rows = kept.any(dim=1)
+    attention_mask = None if contexts.attention_mask is None else contexts.attention_mask[rows]
+    return ProbeContexts(contexts.input_ids[rows], attention_mask, kept[rows], contexts.temperature)
 
 
 class ContextRecorder:
@@ -419,6 +442,7 @@ def jvp_predicted_kl(
         fwAD.dual_level(),
         _probe_targets(targets, factors, "tangent", products),
         _frozen_linears_with_tangents(model, products),
+        AttentionTangentMode(),
     ):
         if split is not None:
             terms = _chunked_head_kl_terms(*split, contexts, products)

@@ -359,6 +359,17 @@ def test_bench_with_kl_control_and_a_bf16_probe(tmp_path, capsys):
     assert data["meta"]["kl_budget"] == 1e-3 and data["meta"]["probe_dtype"] == "bfloat16"
     message = usage_error(capsys, "bench", "--probe-dtype", "bfloat16", "--output", str(tmp_path / "no"))
     assert "--probe-dtype needs --kl-budget" in message
+    message = usage_error(capsys, "bench", "--probe-positions", "8", "--output", str(tmp_path / "no"))
+    assert "--probe-positions needs --kl-budget" in message
+
+
+def test_bench_with_kl_control_on_a_subset_of_positions(tmp_path):
+    from logra_optim.cli.bench import make_optimizer
+
+    data = run_tiny_bench(tmp_path, "logra-rowadam", "--kl-budget", "1e-3", "--probe-positions", "5")
+    assert data["meta"]["probe_positions"] == 5
+    _, optimizer = make_optimizer(build_tiny_model(bench_preset("tiny")), "logra-rowadam", 4, 1e-3, None, 5)
+    assert optimizer.kl_control.options.probe_positions == 5
 
 
 @pytest.mark.parametrize("method", ["apollo", "apollo-mini", "flora"])

@@ -227,6 +227,8 @@ def test_non_finite_prediction_skips_the_step(fitted_model):
         (dict(kl_budget=1e-4, alpha_max=0.0), "alpha_max"),
         (dict(kl_budget=1e-4, probe="newton"), "probe"),
         (dict(kl_budget=1e-4, probe_samples=0), "probe_samples"),
+        (dict(kl_budget=1e-4, probe_positions=0), "probe_positions must be a positive integer"),
+        (dict(kl_budget=1e-4, probe_positions=2.5), "probe_positions must be a positive integer"),
         (dict(kl_budget=1e-4, fd_epsilon=-1.0), "fd_epsilon"),
         (dict(kl_budget=1e-4, mismatch_ema=0.0), "mismatch_ema"),
         (dict(kl_budget=1e-4, probe_dtype=torch.float64), "probe_dtype must be None or torch.bfloat16"),

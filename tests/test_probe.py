@@ -13,7 +13,14 @@ from hypothesis import strategies as st
 
 from logra_optim import LoGRAOptimizer, patch_model
 from tests.helpers.recorders import OutputShapes
-from logra_optim.probe import contexts_from_batch, finite_difference_predicted_kl, jvp_predicted_kl, spread_rows
+from logra_optim.probe import (
+    ProbeContexts,
+    contexts_from_batch,
+    finite_difference_predicted_kl,
+    jvp_predicted_kl,
+    spread_rows,
+    subsample_positions,
+)
 from tests.helpers.tiny import fixed_batch, tiny_qwen2
 
 
@@ -49,6 +56,48 @@ def test_contexts_from_batch_spreads_samples_over_the_batch():
     contexts = contexts_from_batch(input_ids, samples=2)
     assert contexts.input_ids[:, 0].tolist() == [0, 4]
     assert contexts_from_batch(input_ids, samples=None).input_ids.shape[0] == 8
+
+
+@given(
+    mask=st.lists(st.lists(st.booleans(), min_size=6, max_size=6), min_size=1, max_size=5),
+    limit=st.integers(1, 40),
+    seed=st.integers(0, 2**31),
+)
+def test_subsample_positions_keeps_a_subset_of_the_asked_size_and_only_rows_that_keep_one(mask, limit, seed):
+    probe_mask = torch.tensor(mask)
+    input_ids = torch.arange(probe_mask.numel()).view(probe_mask.shape)  # each row identifiable
+    attention_mask = torch.ones_like(input_ids)
+    contexts = ProbeContexts(input_ids, attention_mask, probe_mask, temperature=0.7)
+    subset = subsample_positions(contexts, limit, seed)
+    if contexts.tokens <= limit:
+        assert subset is contexts
+        return
+    assert subset.tokens == limit and subset.temperature == 0.7
+    rows = subset.input_ids[:, 0] // probe_mask.shape[1]
+    assert torch.equal(rows, rows.unique(sorted=True)) and bool(subset.probe_mask.any(dim=1).all())
+    assert torch.equal(subset.input_ids, input_ids[rows]) and torch.equal(subset.attention_mask, attention_mask[rows])
+    assert not bool((subset.probe_mask & ~probe_mask[rows]).any())  # kept positions were probe positions
+    again = subsample_positions(contexts, limit, seed)
+    assert torch.equal(again.probe_mask, subset.probe_mask) and torch.equal(again.input_ids, subset.input_ids)
+
+
+def test_subsample_positions_draws_every_position_alike():
+    """A uniform subset: over many seeds every position is kept about ``limit / positions`` of the
+    time (so the positions' mean is estimated without bias), whatever its row or place."""
+    probe_mask = torch.ones(2, 8, dtype=torch.bool)
+    draws = 2000
+    counts = sum(_full_mask(probe_mask, 4, seed).float() for seed in range(draws))
+    # Binomial(2000, 1/4) / 2000 has a standard deviation of 0.0097: 5 of them.
+    assert torch.allclose(counts / draws, torch.full((2, 8), 0.25), atol=0.05)
+
+
+def _full_mask(probe_mask: torch.Tensor, limit: int, seed: int) -> torch.Tensor:
+    """The positions :func:`subsample_positions` keeps, on the full ``(rows, positions)`` grid."""
+    rows = torch.arange(probe_mask.shape[0]).unsqueeze(1).expand_as(probe_mask)  # each row tagged
+    subset = subsample_positions(ProbeContexts(rows, None, probe_mask), limit, seed)
+    full = torch.zeros_like(probe_mask)
+    full[subset.input_ids[:, 0]] = subset.probe_mask
+    return full
 
 
 def test_set_probe_contexts_validates_shapes_and_copies():
@@ -115,6 +164,32 @@ def test_jvp_and_finite_difference_probes_agree(fitted_model):
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
     assert model.training and all(m.training for m in model.modules())
     assert all(t.probe_factor is None for t in targets)
+
+
+def test_probe_on_a_subset_of_positions_predicts_their_terms_exactly(fitted_model):
+    """Dropping the sequences with no kept position changes nothing: the subset's prediction is the
+    full contexts' one restricted to the kept positions (float64 terms, summed); and the optimizer
+    probes ``probe_positions`` of them, a new draw at each update."""
+    base, batch = fitted_model
+    model = patch_model(copy.deepcopy(base))
+    opt = LoGRAOptimizer(model, rank=16, kl_budget=1e-4, probe_samples=4, probe_positions=5, wire_dtype=None)
+    model(**batch).loss.backward()
+    targets = [t.state for t in opt.targets]
+    factors = [t.sketch * 1e-1 for t in targets]
+    contexts = opt.kl_control.contexts()
+    subset = subsample_positions(contexts, 5, seed=3)
+    restricted = ProbeContexts(contexts.input_ids, contexts.attention_mask, _full_mask(contexts.probe_mask, 5, 3))
+    q_subset, n_subset, _ = jvp_predicted_kl(model, targets, factors, subset)
+    q_restricted, n_restricted, _ = jvp_predicted_kl(model, targets, factors, restricted)
+    assert n_subset == n_restricted == 5
+    assert float(q_subset) == pytest.approx(float(q_restricted), rel=1e-5)
+    for _ in range(2):
+        opt.step()
+        assert opt.stats["probe_tokens"] == 5
+        opt.zero_grad()
+        model(**batch).loss.backward()
+    assert opt.update_index == 2
+    assert not torch.equal(_full_mask(contexts.probe_mask, 5, 1), _full_mask(contexts.probe_mask, 5, 2))
 
 
 def test_chunked_lm_head_probe_equals_the_full_logits_probe(fitted_model, monkeypatch):

@@ -125,6 +125,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="with --kl-budget: the JVP probe's products in this dtype (default: the weights' precision)",
     )
+    parser.add_argument(
+        "--probe-positions",
+        type=positive_int,
+        default=None,
+        help="with --kl-budget: probe at most this many positions, a random subset (default: all)",
+    )
     parser.add_argument("--checkpointing", action="store_true", help="non-reentrant gradient checkpointing")
     parser.add_argument(
         "--accumulation", type=positive_int, default=1, help="microbatches (forward+backward) per optimizer step"
@@ -183,7 +189,12 @@ def build_model(spec: dict, device: str):
 
 
 def make_optimizer(
-    model, method: str, rank: int, kl_budget: float | None = None, probe_dtype: torch.dtype | None = None
+    model,
+    method: str,
+    rank: int,
+    kl_budget: float | None = None,
+    probe_dtype: torch.dtype | None = None,
+    probe_positions: int | None = None,
 ):
     """The optimizer of ``method`` (and the model it trains: LoRA wraps it); ``None`` for the
     ``frozen`` floor, whose step is forward and backward alone."""
@@ -198,6 +209,7 @@ def make_optimizer(
             direction=method.removeprefix("logra-"),
             kl_budget=kl_budget,
             probe_dtype=probe_dtype,
+            probe_positions=probe_positions,
         )
         return model, optimizer
     # Stacked experts (mixture of experts) are LoGRA's targets too (peers.py); Flora treats them as any
@@ -235,7 +247,9 @@ def run_worker(spec: dict) -> dict:
     baseline = memory_baseline(device)
     model = build_model(spec, device)
     probe_dtype = getattr(torch, spec["probe_dtype"]) if spec.get("probe_dtype") else None
-    model, optimizer = make_optimizer(model, spec["method"], spec["rank"], spec.get("kl_budget"), probe_dtype)
+    model, optimizer = make_optimizer(
+        model, spec["method"], spec["rank"], spec.get("kl_budget"), probe_dtype, spec.get("probe_positions")
+    )
     generator = torch.Generator().manual_seed(1)
     input_ids = torch.randint(0, model.config.vocab_size, (spec["batch"], spec["seq"]), generator=generator).to(device)
     steps, optimizer_parts = [], []
@@ -386,8 +400,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
 
     if args.config and not Path(args.config).exists():
         parser.error(f"--config {args.config}: no such file")
-    if args.probe_dtype and args.kl_budget is None:
-        parser.error("--probe-dtype needs --kl-budget: without KL control no probe runs")
+    for option in ("probe_dtype", "probe_positions"):
+        if getattr(args, option) and args.kl_budget is None:
+            parser.error(f"--{option.replace('_', '-')} needs --kl-budget: without KL control no probe runs")
     device = resolve_device(args.device)
     layers = args.layers or (None if (args.model or args.config) else DEFAULT_LAYERS[args.preset])
     base_spec = dict(
@@ -404,6 +419,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
         device=device,
         kl_budget=args.kl_budget,
         probe_dtype=args.probe_dtype,
+        probe_positions=args.probe_positions,
         checkpointing=args.checkpointing,
         accumulation=args.accumulation,
     )
