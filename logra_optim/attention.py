@@ -60,9 +60,8 @@ def attention_with_tangent(
     query, key, value = (x.to(work) for x in (query, key, value))
     query_t, key_t, value_t = (None if t is None else t.to(work) for t in tangents)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    if attn_mask is not None:
+    if attn_mask is not None:  # a view: a float mask is converted a block at a time, like the scores
         attn_mask = attn_mask.expand(*attn_mask.shape[:-2], queries, keys)
-        attn_mask = attn_mask if attn_mask.dtype == torch.bool else attn_mask.to(work)
     batch = math.prod(query.shape[:-2])
     block = max(1, min(queries, block_scores // max(1, batch * keys)))
     output = torch.empty(*query.shape[:-1], value.shape[-1], dtype=work, device=query.device)
@@ -77,7 +76,7 @@ def attention_with_tangent(
             scores.masked_fill_(~visible.tril_(rows.start), float("-inf"))
         elif attn_mask is not None:
             mask = attn_mask[..., rows, :]
-            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.to(work)
         probs = torch.softmax(scores, dim=-1)
         # A query that sees no key: zero, as torch's math implementation (its "safe" softmax) gives.
         probs = probs.masked_fill((scores == float("-inf")).all(dim=-1, keepdim=True), 0.0)
@@ -106,16 +105,17 @@ def _score_tangent(query, key, query_t, key_t, rows: slice, seen: int) -> torch.
 
 class AttentionTangentMode(TorchFunctionMode):
     """While active, a call of ``F.scaled_dot_product_attention`` whose query, key or value carries
-    a forward-AD tangent, without dropout, is computed by :func:`attention_with_tangent`; every
-    other call runs as it would without the mode."""
+    a forward-AD tangent is computed by :func:`attention_with_tangent`, if grad mode is off (the
+    closed form has no backward; the probe runs without an autograd graph), there is no dropout,
+    and the call is of the shapes the closed form handles (see :func:`_sdpa_arguments`). Every
+    other call runs as it would without the mode, so torch keeps its own errors and broadcasting."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             bound = _sdpa_arguments(*args, **kwargs)
             if bound is not None:
-                with torch.no_grad():
-                    return _dual_attention(**bound)
+                return _dual_attention(**bound)
         return func(*args, **kwargs)
 
 
@@ -129,10 +129,18 @@ def _sdpa_arguments(
     scale=None,
     enable_gqa=False,
 ):
-    """The call's arguments by name, or ``None`` where it is not a dual, dropout-free call (left to
-    torch)."""
+    """The call's arguments by name, or ``None`` where it is left to torch: no tangent, dropout,
+    grad mode on, a mask together with ``is_causal`` (an error in torch), fewer than three
+    dimensions, batch dimensions that differ between query, key and value (torch broadcasts them),
+    or query heads that are no multiple of the key/value heads under ``enable_gqa``."""
     duals = [fwAD.unpack_dual(x) for x in (query, key, value)]
     if dropout_p != 0.0 or all(d.tangent is None for d in duals) or torch.is_grad_enabled():
+        return None
+    if (attn_mask is not None and is_causal) or query.dim() < 3 or not query.dim() == key.dim() == value.dim():
+        return None
+    if not query.shape[:-3] == key.shape[:-3] == value.shape[:-3]:
+        return None
+    if enable_gqa and query.shape[-3] % key.shape[-3] != 0:
         return None
     return dict(
         primals=[d.primal for d in duals],
@@ -145,5 +153,6 @@ def _sdpa_arguments(
 
 
 def _dual_attention(primals, tangents, **options) -> torch.Tensor:
+    """The dual output torch's attention would return: primal and tangent from the closed form."""
     output, tangent = attention_with_tangent(*primals, tangents, **options)
     return fwAD.make_dual(output, tangent)

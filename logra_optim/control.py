@@ -167,14 +167,16 @@ class KLController:
 
     def choose(self, targets: Sequence[TargetState], factors: Sequence[torch.Tensor], update: int) -> StepChoice:
         """α for update ``update`` (1-based) whose unit step is ``D = −F A`` per target, probed on
-        the contexts (at most ``probe_positions`` of their positions, drawn with ``update`` as the seed).
+        the contexts (at most ``probe_positions`` of their positions per rank, drawn with ``update``
+        as the seed; ``probe_tokens`` in the stats counts the positions probed).
 
         Raises :class:`UpdateSkipped` if the predicted KL is not a finite non-negative number.
         """
         if not self.options.enabled:
             return StepChoice(1.0, {})
         options = self.options
-        contexts = subsample_positions(self.contexts(), options.probe_positions, update)
+        every = self.contexts()
+        contexts = subsample_positions(every, options.probe_positions, update)
         budget = budget_at(options.budget, update)
         budget_eff = effective_budget(budget, self.mismatch)
         started = time.perf_counter()
@@ -193,9 +195,12 @@ class KLController:
                 self.model, targets, factors, contexts, self.logits_fn, options.fd_epsilon
             )
         dp.reshard(self._fsdp2)
-        total, tokens = self._reduce(total, tokens)  # token-weighted mean over every rank's positions
+        # Each rank's subset mean stands for all of its positions, so that ranks keep their token
+        # weights in the mean over every rank's positions (as without a subset).
+        represented = total if contexts is every else float(total) * every.tokens / tokens
+        total, represented_tokens, tokens = self._reduce(represented, every.tokens, tokens)
         tokens = int(tokens)
-        q = total / max(tokens, 1)
+        q = total / max(represented_tokens, 1)
         if not math.isfinite(q) or q < 0:
             raise UpdateSkipped(f"predicted KL q={q} at update {update}", "probe")
         self._warn_if_low_precision(targets)

@@ -129,8 +129,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             only the sequences that keep one; default ``None``: all. The probe's LM head and its
             vocabulary arithmetic scale with the positions, its decoder with the sequences, so this
             bounds what a long completion or a large vocabulary costs. ``q`` is a mean over
-            positions, which the subset estimates without bias (docs/benchmarks.md measures what
-            it costs the prediction).
+            positions, which the subset estimates without bias (each rank's for all its positions),
+            but ``α ∝ q̂^-½`` then overshoots the budget on average, more for smaller subsets
+            (docs/benchmarks.md measures it); ``realised_kl_check`` measures on the same subset.
         probe_dtype: ``None`` (the probe computes in the weights' precision) or ``torch.bfloat16``:
             the matrix products of the JVP probe's linear layers are bf16 (through one reusable
             bf16 copy of the weight being multiplied; the LM head cast once per probe), everything else keeps

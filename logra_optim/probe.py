@@ -101,9 +101,11 @@ def subsample_positions(contexts: ProbeContexts, limit: int | None, seed: int) -
     only the sequences that keep a position. The contexts themselves when they have no more.
 
     ``q`` is the mean of the per-position terms, and the mean over a uniform random subset is an
-    unbiased estimate of it. Random, not every n-th position: a stride can alias with the
+    unbiased estimate of it (the controller scales it to all of a rank's positions, so that ranks
+    keep their token weights). Random, not every n-th position: a stride can alias with the
     structure of the text (every digit, or every separator, of a list). Dropping a sequence with
-    no kept position changes no other sequence's logits."""
+    no kept position changes no other sequence's logits, for models whose sequences do not interact
+    within a batch (not, for example, mixture-of-experts routing with a capacity limit)."""
     if limit is None or contexts.tokens <= limit:
         return contexts
     mask = contexts.probe_mask

@@ -205,8 +205,8 @@ def test_merge_flat_partition_rejects_a_partition_outside_the_weight():
 def test_guards_and_rank_summed_scalars(tmp_path):
     """On 2 real ranks: mismatched projections fail loudly on every rank (seeds at construction, a
     differing A at the next step, naming the target); Shard(1) and FSDP1 are refused clearly; the
-    predicted KL is the token-weighted mean over every rank's probe positions (3 vs 32 here) and κ
-    the token mean over every rank's tokens."""
+    predicted KL is the token-weighted mean over every rank's probe positions (3 vs 32 here), also
+    when each probes a subset of them, and κ the token mean over every rank's tokens."""
     result = torchrun("guards", str(tmp_path))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     for rank, seen in enumerate(torch.load(tmp_path / "guards.pt", weights_only=False)):
@@ -219,6 +219,9 @@ def test_guards_and_rank_summed_scalars(tmp_path):
         assert seen["rows"]
         assert seen["probe_tokens"] == 35
         assert seen["q"] == pytest.approx(seen["q_reference"], rel=1e-9)
+        q0, q1 = seen["q_subset_per_rank"]
+        assert seen["probe_tokens_subset"] == 4 and abs(q0 - q1) > 0.1 * max(q0, q1)
+        assert seen["q_subset"] == pytest.approx((3 * q0 + 32 * q1) / 35, rel=1e-9)
         assert seen["mismatch"] == pytest.approx(0.3 * (4 * 0.1 + 8 * 0.4) / 12, rel=1e-6)
         # Not one collective per layer: one flat all-reduce (one buffer: all on one device), one
         # all-gather of scalars, and with KL control one all-reduce of the probe's sums.

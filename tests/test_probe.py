@@ -4,6 +4,7 @@ logits), and the training setups it must work in (SDPA, checkpointing, autocast,
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from logra_optim import LoGRAOptimizer, patch_model
+from logra_optim import LoGRAOptimizer, attention, control, patch_model, probe
 from tests.helpers.recorders import OutputShapes
 from logra_optim.probe import (
     ProbeContexts,
@@ -166,7 +167,7 @@ def test_jvp_and_finite_difference_probes_agree(fitted_model):
     assert all(t.probe_factor is None for t in targets)
 
 
-def test_probe_on_a_subset_of_positions_predicts_their_terms_exactly(fitted_model):
+def test_probe_on_a_subset_of_positions_predicts_their_terms_exactly(fitted_model, monkeypatch):
     """Dropping the sequences with no kept position changes nothing: the subset's prediction is the
     full contexts' one restricted to the kept positions (float64 terms, summed); and the optimizer
     probes ``probe_positions`` of them, a new draw at each update."""
@@ -183,13 +184,38 @@ def test_probe_on_a_subset_of_positions_predicts_their_terms_exactly(fitted_mode
     q_restricted, n_restricted, _ = jvp_predicted_kl(model, targets, factors, restricted)
     assert n_subset == n_restricted == 5
     assert float(q_subset) == pytest.approx(float(q_restricted), rel=1e-5)
+    seeds = []
+    monkeypatch.setattr(
+        control, "subsample_positions", lambda c, n, seed: seeds.append(seed) or subsample_positions(c, n, seed)
+    )
     for _ in range(2):
         opt.step()
         assert opt.stats["probe_tokens"] == 5
         opt.zero_grad()
         model(**batch).loss.backward()
-    assert opt.update_index == 2
+    assert opt.update_index == 2 and seeds == [1, 2]  # a new draw at each update, seeded by its index
     assert not torch.equal(_full_mask(contexts.probe_mask, 5, 1), _full_mask(contexts.probe_mask, 5, 2))
+
+
+def test_the_jvp_probe_computes_sdpa_attention_in_closed_form(fitted_model, monkeypatch):
+    """Every attention call of the JVP probe of an ``sdpa`` model goes through the closed form, and
+    the prediction equals forward AD through torch's math attention."""
+    base, batch = fitted_model
+    model = patch_model(copy.deepcopy(base))
+    opt = LoGRAOptimizer(model, rank=16, kl_budget=1e-4, direction="sgd", wire_dtype=None)
+    model(**batch).loss.backward()
+    targets = [t.state for t in opt.targets]
+    factors = [t.sketch * 1e-1 for t in targets]
+    contexts = opt.kl_control.contexts()
+    calls = []
+    closed_form = attention.attention_with_tangent
+    monkeypatch.setattr(attention, "attention_with_tangent", lambda *a, **k: calls.append(1) or closed_form(*a, **k))
+    q_closed, _, _ = jvp_predicted_kl(model, targets, factors, contexts)
+    assert len(calls) == base.config.num_hidden_layers
+    monkeypatch.setattr(probe, "AttentionTangentMode", contextlib.nullcontext)
+    q_op_by_op, _, _ = jvp_predicted_kl(model, targets, factors, contexts)
+    assert len(calls) == base.config.num_hidden_layers
+    assert float(q_closed) == pytest.approx(float(q_op_by_op), rel=1e-5)
 
 
 def test_chunked_lm_head_probe_equals_the_full_logits_probe(fitted_model, monkeypatch):

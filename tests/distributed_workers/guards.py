@@ -116,6 +116,26 @@ def main() -> None:
     ref.step()
     results["q_reference"] = ref.stats["predicted_kl"]
 
+    # With probe_positions=2, each rank's subset mean stands for all of its positions: the mean over
+    # the ranks keeps their token weights (3 and 32), not their subsets' (2 and 2).
+    model = frozen_model()
+    references = [copy.deepcopy(model) for _ in range(2)]
+    opt = LoGRAOptimizer(model, rank=4, kl_budget=1e-3, update_ratio=1e-2, probe_positions=2)
+    opt.set_probe_contexts(ids, probe_mask=masks[rank])
+    model(**BATCH).loss.backward()
+    opt.step()
+    results["q_subset"] = opt.stats["predicted_kl"]
+    results["probe_tokens_subset"] = opt.stats["probe_tokens"]
+    results["q_subset_per_rank"] = []
+    for mask, reference_model in zip(masks, references):  # each rank's contexts alone, in one process
+        ref = LoGRAOptimizer(
+            reference_model, rank=4, kl_budget=1e-3, update_ratio=1e-2, probe_positions=2, process_group=local_group
+        )
+        ref.set_probe_contexts(ids, probe_mask=mask)
+        reference_model(**BATCH).loss.backward()
+        ref.step()
+        results["q_subset_per_rank"].append(ref.stats["predicted_kl"])
+
     # FSDP2 computing in bf16 over fp32 shards (MixedPrecisionPolicy): the finite-difference probe
     # would measure bf16 rounding, and says so although the stored weights are fp32.
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
