@@ -48,6 +48,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from logra_optim import LoGRAOptimizer
+from logra_optim.options import DIRECTIONS
 from logra_optim.cli import demo, tasks
 from logra_optim.cli.arguments import (
     choice_list,
@@ -134,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     optimizer_defaults = inspect.signature(LoGRAOptimizer).parameters
     parser.add_argument(
         "--beta1", type=float, default=optimizer_defaults["beta1"].default, help="LoGRA's first-moment decay (0: none)"
+    )
+    parser.add_argument(
+        "--direction", choices=DIRECTIONS, default="rowadam", help="LoGRA's direction rule (direction=)"
     )
     parser.add_argument(
         "--refresh-every",
@@ -433,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
             update_ratio=args.update_ratio,
             beta1=args.beta1,
             refresh_every=args.refresh_every,
+            direction=args.direction,
             warm_start_steps=args.warm_start_steps,
             warm_start_reward=args.warm_start_reward,
             seeds=seeds,

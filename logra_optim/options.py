@@ -26,7 +26,7 @@ from .projection import PROJECTIONS
 from .target import Target
 from .updates import RATIO_SCOPES
 
-DIRECTIONS = ("rowadam", "sgd")
+DIRECTIONS = ("rowadam", "orthogonal", "sgd")
 PROBES = ("jvp", "finite_difference")
 DEFAULT_UPDATE_RATIO = 6e-5
 

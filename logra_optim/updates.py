@@ -58,6 +58,25 @@ def rowadam_direction(
     return direction * scale, v_new
 
 
+def orthogonal_direction(numerator: torch.Tensor) -> torch.Tensor:
+    """The polar factor ``U = N (NᵀN)^-½`` of a ``d×r`` direction ``N``: its singular values set to
+    1, its singular vectors kept (directions along which ``N`` is 0 stay 0).
+
+    Why: a sketch's few large singular directions carry most of its norm, so a step normalised by
+    that norm (``η``) and by the KL budget (``α``) barely moves along the others. Equalising them,
+    as Muon does for full gradients, spends the step evenly over the subspace the sketch (or its
+    first moment) found; with ``A``'s rows nearly orthonormal, ``U A`` then has nearly equal
+    singular values too. Computed from the ``r×r`` Gram matrix in float64 (cheap for ``r ≪ d``);
+    a singular value ``σ`` below ``1e-5`` of the largest becomes ``σ / (1e-5 σ_max) < 1`` instead of
+    1, so noise in a (nearly) rank-deficient ``N`` is not blown up to unit size.
+    """
+    x = numerator.double()
+    values, vectors = torch.linalg.eigh(x.T @ x)
+    floor = values.max().clamp_min(1e-300) * 1e-10  # σ² of (1e-5 σ_max)²: smaller σ become σ / (1e-5 σ_max)
+    inverse_sqrt = (vectors * values.clamp_min(floor).rsqrt()) @ vectors.T
+    return (x @ inverse_sqrt).to(numerator.dtype)
+
+
 def first_moment(
     sketch: torch.Tensor, moment: torch.Tensor, step: int, beta1: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +134,7 @@ def next_direction(
     eps: float = 1e-8,
     beta1: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """``U`` of one target (``kind`` ``"rowadam"`` or ``"sgd"``) and the state it would commit, from
+    """``U`` of one target (``kind`` ``"rowadam"``, ``"orthogonal"`` or ``"sgd"``) and the state it would commit, from
     its optimizer ``state`` (empty before its first update); with ``beta1 > 0`` the direction is
     built from the first moment (:func:`first_moment`) instead of the sketch. Nothing is mutated, so
     that an update rejected later (probe, realised KL) leaves the state as it was."""
@@ -130,6 +149,8 @@ def next_direction(
     if kind == "sgd":
         # U may alias the sketch: safe because every use (η, probe, merge) precedes zeroing it.
         return (sketch if numerator is None else numerator), new_state
+    if kind == "orthogonal":
+        return orthogonal_direction(sketch if numerator is None else numerator), new_state
     moment = state.get("row_second_moment")
     if moment is None:
         moment = torch.zeros(sketch.shape[0], dtype=torch.float32, device=sketch.device)

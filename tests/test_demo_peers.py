@@ -219,3 +219,19 @@ def test_a_bad_logra_non_target_rate_is_refused_by_name(capsys, tmp_path):
     for argv in (["--logra-non-target-lr", "0"], ["--methods", "adamw,lora", "--logra-non-target-lr", "1e-3"]):
         assert "--logra-non-target-lr" in usage_error(capsys, "demo", *argv, "--output", str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+
+
+def test_demo_worker_runs_logra_with_the_direction_asked_for(warm_settings, monkeypatch):
+    """``--direction orthogonal`` reaches the optimizer: its param group, and directions with unit
+    singular values in its first update; a bad value is refused by name."""
+    from logra_optim import updates
+
+    calls = []
+    original = updates.orthogonal_direction
+    monkeypatch.setattr(updates, "orthogonal_direction", lambda n: calls.append(n.shape) or original(n))
+    record, seen = run_observed(monkeypatch, asdict(warm_settings) | {"direction": "orthogonal"}, "logra")
+    optimizer = seen["trainer"].optimizer.optimizer
+    assert optimizer.param_groups[0]["direction"] == "orthogonal"
+    assert len(calls) == 3 * len(optimizer.targets)  # every target, every one of the 3 updates
+    with pytest.raises(ValueError, match="direction must be one of rowadam, orthogonal, sgd"):
+        demo.DemoSettings(output="", direction="muon")

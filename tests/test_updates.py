@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from logra_optim.updates import (
+    orthogonal_direction,
     basis_change,
     carry_first_moment,
     first_moment,
@@ -481,3 +482,44 @@ def test_stochastic_rounding_with_a_seeded_generator_is_reproducible():
     b = stochastic_round_to_bf16(x, torch.Generator().manual_seed(5))
     c = stochastic_round_to_bf16(x, torch.Generator().manual_seed(6))
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+# ------------------------------------------------------------------------------------------------
+# Orthogonal directions (the polar factor)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    d=st.integers(1, 24),
+    r=st.integers(1, 12),
+    rank=st.integers(0, 12),
+    scale=st.sampled_from([1e-12, 1e-3, 1.0, 1e6]),
+    seed=st.integers(0, 2**16),
+)
+def test_orthogonal_direction_is_the_polar_factor_of_a_float64_svd(d, r, rank, scale, seed):
+    """``U = P min(1, Σ / (1e-5 σ_max)) Qᵀ`` from ``N = P Σ Qᵀ``, whatever the shape, rank or scale
+    of ``N``: unit singular values (those below 1e-5 σ_max shrunk, not blown up), the same singular
+    vectors."""
+    generator = torch.Generator().manual_seed(seed)
+    rank = min(rank, d, r)
+    factors = torch.randn(d, rank, generator=generator, dtype=torch.float64)
+    numerator = (factors @ torch.randn(rank, r, generator=generator, dtype=torch.float64) * scale).float()
+    left, singular, right = torch.linalg.svd(numerator.double(), full_matrices=False)
+    threshold = singular.max().clamp_min(1e-150) * 1e-5 if singular.numel() else 1.0
+    expected = (left * (singular / singular.clamp_min(threshold))) @ right
+    direction = orthogonal_direction(numerator)
+    assert direction.dtype == torch.float32 and direction.shape == (d, r)
+    torch.testing.assert_close(direction.double(), expected, rtol=0, atol=2e-4)
+
+
+def test_orthogonal_direction_of_zero_is_zero_and_next_direction_keeps_the_moment():
+    assert torch.equal(orthogonal_direction(torch.zeros(5, 3)), torch.zeros(5, 3))
+    sketch = torch.randn(6, 3)
+    state = {"step": torch.tensor(2.0), "first_moment": torch.randn(6, 3)}
+    before = {k: v.clone() for k, v in state.items()}
+    direction, new_state = next_direction("orthogonal", sketch, state, beta1=0.9)
+    assert all(torch.equal(state[k], before[k]) for k in state)  # not mutated
+    momentum = state["first_moment"] * 0.9 + sketch * 0.1
+    torch.testing.assert_close(new_state["first_moment"], momentum)
+    torch.testing.assert_close(direction, orthogonal_direction(momentum / (1 - 0.9**3)))
+    torch.testing.assert_close(direction.T @ direction, torch.eye(3), atol=1e-5, rtol=0)

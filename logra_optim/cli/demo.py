@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from . import tasks
+from ..options import DIRECTIONS
 from .arguments import choice_list, device, int_list, model_dir, positive_float, positive_int, writable_dir
 from .measure import MIB, faster_probe_dtype, memory_baseline, peak_memory, ratio, resolve_device, synchronize
 from .peers import LOW_RANK_PEERS, lora_model, low_rank_optimizer, train_only_targets
@@ -98,6 +99,7 @@ class DemoSettings:
     probe_dtype: str | None = "auto"
     # LoGRA's first moment in sketch space and how many updates keep one projection (docs/method.md §2).
     beta1: float = 0.9
+    direction: str = "rowadam"
     refresh_every: int = 10
     # LoGRA's realised-KL check: measure each update's KL on the probe contexts after the merge and
     # redo it with a rescaled α when it misses the budget by more than 10%.
@@ -143,6 +145,8 @@ class DemoSettings:
         self.galore_lr = self.galore_lr or rates.galore
         self.apollo_mini_lr = self.apollo_mini_lr or rates.apollo_mini
         self.warm_start_lr = self.warm_start_lr or rates.warm_start
+        if self.direction not in DIRECTIONS:
+            raise ValueError(f"direction must be one of {', '.join(DIRECTIONS)}, got {self.direction!r}")
         if self.peer_scope not in PEER_SCOPES:
             raise ValueError(f"peer_scope must be one of {', '.join(PEER_SCOPES)}, got {self.peer_scope!r}")
         rate = self.logra_non_target_lr
@@ -188,6 +192,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--refresh-every", type=positive_int, default=defaults.refresh_every, help="LoGRA updates per projection"
+    )
+    parser.add_argument(
+        "--direction", choices=DIRECTIONS, default=defaults.direction, help="LoGRA's direction rule (direction=)"
     )
     parser.add_argument(
         "--adamw-lr",
@@ -285,6 +292,7 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         kl_budget=args.kl_budget,
         beta1=args.beta1,
         refresh_every=args.refresh_every,
+        direction=args.direction,
         adamw_lr=args.adamw_lr,
         lora_lr=args.lora_lr,
         galore_lr=args.galore_lr,
@@ -624,6 +632,7 @@ def run_worker(spec: dict) -> dict:
             update_ratio=settings.update_ratio,
             probe_samples=settings.probe_samples,
             beta1=settings.beta1,
+            direction=settings.direction,
             refresh_every=settings.refresh_every,
             probe_dtype=None if probe_dtype is None else getattr(torch, probe_dtype),
             realised_kl_check=settings.realised_kl_check,
