@@ -84,7 +84,10 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             expert sees only its routed tokens: a lower rank than attention's usually suits them.
         kl_budget: predicted-KL budget ``δ`` per update: a number, a schedule ``f(update) -> δ``
             (e.g. :class:`~logra_optim.kl.CosineBudget`), or ``None`` to turn KL control off (α = 1).
-        direction: ``"rowadam"`` (row second moment, docs/method.md §2) or ``"sgd"`` (``U = S``).
+        direction: ``"rowadam"`` (row second moment, docs/method.md §2), ``"orthogonal"`` (the
+            polar factor of the first moment or sketch: its singular values set to 1; it learned
+            better than RowAdam on both toy policies measured, docs/benchmarks.md) or ``"sgd"``
+            (``U = S``).
             (``optimizer=`` is the deprecated name of this option.)
         update_ratio: relative update norm ``ρ_upd``: at α = 1 every target moves by
             ``‖ΔW_i‖/‖W_i‖ = ρ_upd`` (``η_i = ρ_upd ‖W_i‖/‖U_i A_i‖``). Default 6e-5 (the paper's)

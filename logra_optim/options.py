@@ -241,7 +241,7 @@ def direction_option(direction: str | None, optimizer: str | None) -> str:
             f"optimizer must be one of {DIRECTIONS}, got {optimizer!r} (and is deprecated: use direction=)"
         )
     warnings.warn(
-        "LoGRAOptimizer(optimizer=...) is deprecated; use direction=... (same values: 'rowadam', 'sgd')",
+        "LoGRAOptimizer(optimizer=...) is deprecated; use direction=... (same values: 'rowadam', 'orthogonal', 'sgd')",
         DeprecationWarning,
         stacklevel=3,
     )
