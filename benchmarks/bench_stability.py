@@ -30,6 +30,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from logra_optim.cli import demo
+from logra_optim.options import DIRECTIONS
 from logra_optim.cli.arguments import device, int_list, positive_float, positive_int, writable_dir
 from logra_optim.cli.runner import WorkerFailed
 
@@ -52,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--refresh-every", type=positive_int, default=defaults.refresh_every, help="updates per projection"
     )
     parser.add_argument("--rank", type=positive_int, default=defaults.rank)
+    parser.add_argument(
+        "--direction", choices=DIRECTIONS, default=defaults.direction, help="LoGRA's direction rule (direction=)"
+    )
     parser.add_argument(
         "--policy", choices=sorted(demo.POLICIES), default="tiny", help="the demo's built-in policy to train"
     )
@@ -112,7 +116,8 @@ def markdown(report: dict) -> str:
         f"{settings['steps']} updates of {settings['batch_size']} completions on `{settings['task']}`, rank "
         f"{settings['rank']}, KL budget {settings['kl_budget']:g} per update, update_ratio "
         f"{settings['update_ratio']:g}, first moment β1 {settings['beta1']:g} with `A` kept "
-        f"{settings['refresh_every']} updates, realised-KL check on (probe contexts, ±10%, up to 3 retries). A run "
+        f"{settings['refresh_every']} updates, {settings.get('direction', 'rowadam')} directions, realised-KL check "
+        f"on (probe contexts, ±10%, up to 3 retries). A run "
         f"collapsed if its last {settings['window']}-update reward window is more than "
         f"{settings['collapse_tolerance']:g} below its best.",
         "",
@@ -193,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         update_ratio=args.update_ratio,
         beta1=args.beta1,
         refresh_every=args.refresh_every,
+        direction=args.direction,
         seeds=args.seeds,
         batch_size=args.batch_size,
         probe_samples=32,
