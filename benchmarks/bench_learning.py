@@ -137,7 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--beta1", type=float, default=optimizer_defaults["beta1"].default, help="LoGRA's first-moment decay (0: none)"
     )
     parser.add_argument(
-        "--direction", choices=DIRECTIONS, default="rowadam", help="LoGRA's direction rule (direction=)"
+        "--direction",
+        choices=DIRECTIONS,
+        default=demo.DemoSettings(output="").direction,
+        help="LoGRA's direction rule (direction=)",
     )
     parser.add_argument(
         "--refresh-every",

@@ -82,8 +82,9 @@ def attention_with_tangent(
         probs = probs.masked_fill((scores == float("-inf")).all(dim=-1, keepdim=True), 0.0)
         out = torch.matmul(probs, v)
         score_t = _score_tangent(query[..., rows, :], k, query_t, key_t, rows, seen)
-        out_t = torch.zeros_like(out)
-        if score_t is not None:
+        if score_t is None:
+            out_t = torch.zeros_like(out)
+        else:
             weighted = score_t.mul_(scale).mul_(probs)
             out_t = torch.matmul(weighted, v).sub_(weighted.sum(dim=-1, keepdim=True) * out)
         if value_t is not None:

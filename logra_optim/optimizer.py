@@ -492,6 +492,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 group["beta2"],
                 group["eps"],
                 group["beta1"],
+                target.state.experts,
             )
             steps.append(TargetStep(index, direction, state, eta=group["lr"]))
         if group["lr_mode"] == "update_ratio":

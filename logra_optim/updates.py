@@ -58,9 +58,11 @@ def rowadam_direction(
     return direction * scale, v_new
 
 
-def orthogonal_direction(numerator: torch.Tensor) -> torch.Tensor:
+def orthogonal_direction(numerator: torch.Tensor, experts: int = 1) -> torch.Tensor:
     """The polar factor ``U = N (NᵀN)^-½`` of a ``d×r`` direction ``N``: its singular values set to
-    1, its singular vectors kept (directions along which ``N`` is 0 stay 0).
+    1, its singular vectors kept (directions along which ``N`` is 0 stay 0). For stacked experts
+    (``N`` is ``E·d × r``, expert by expert) the polar factor of each expert's block: every expert is
+    a matrix of its own, and one expert's large gradient must not shrink another's step.
 
     Why: a sketch's few large singular directions carry most of its norm, so a step normalised by
     that norm (``η``) and by the KL budget (``α``) barely moves along the others. Equalising them,
@@ -70,11 +72,12 @@ def orthogonal_direction(numerator: torch.Tensor) -> torch.Tensor:
     a singular value ``σ`` below ``1e-5`` of the largest becomes ``σ / (1e-5 σ_max) < 1`` instead of
     1, so noise in a (nearly) rank-deficient ``N`` is not blown up to unit size.
     """
-    x = numerator.double()
-    values, vectors = torch.linalg.eigh(x.T @ x)
-    floor = values.max().clamp_min(1e-300) * 1e-10  # σ² of (1e-5 σ_max)²: smaller σ become σ / (1e-5 σ_max)
-    inverse_sqrt = (vectors * values.clamp_min(floor).rsqrt()) @ vectors.T
-    return (x @ inverse_sqrt).to(numerator.dtype)
+    x = numerator.double().reshape(experts, -1, numerator.shape[-1])
+    values, vectors = torch.linalg.eigh(x.mT @ x)
+    # σ² of (1e-5 σ_max)² per block: smaller σ become σ / (1e-5 σ_max).
+    floor = values.amax(dim=-1, keepdim=True).clamp_min(1e-300) * 1e-10
+    inverse_sqrt = (vectors * values.clamp_min(floor).rsqrt().unsqueeze(-2)) @ vectors.mT
+    return (x @ inverse_sqrt).reshape(numerator.shape).to(numerator.dtype)
 
 
 def first_moment(
@@ -133,10 +136,12 @@ def next_direction(
     beta2: float = 0.95,
     eps: float = 1e-8,
     beta1: float = 0.0,
+    experts: int = 1,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``U`` of one target (``kind`` ``"rowadam"``, ``"orthogonal"`` or ``"sgd"``) and the state it would commit, from
     its optimizer ``state`` (empty before its first update); with ``beta1 > 0`` the direction is
-    built from the first moment (:func:`first_moment`) instead of the sketch. Nothing is mutated, so
+    built from the first moment (:func:`first_moment`) instead of the sketch; ``experts``: the
+    target's stacked experts (their rows, in order, in the sketch). Nothing is mutated, so
     that an update rejected later (probe, realised KL) leaves the state as it was."""
     step = state.get("step", torch.tensor(0.0)) + 1
     new_state = {"step": step}
@@ -150,7 +155,7 @@ def next_direction(
         # U may alias the sketch: safe because every use (η, probe, merge) precedes zeroing it.
         return (sketch if numerator is None else numerator), new_state
     if kind == "orthogonal":
-        return orthogonal_direction(sketch if numerator is None else numerator), new_state
+        return orthogonal_direction(sketch if numerator is None else numerator, experts), new_state
     moment = state.get("row_second_moment")
     if moment is None:
         moment = torch.zeros(sketch.shape[0], dtype=torch.float32, device=sketch.device)

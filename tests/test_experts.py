@@ -285,14 +285,15 @@ def avoid_last_expert(model):
     return handles
 
 
+@pytest.mark.parametrize("direction", ["rowadam", "orthogonal"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16-autocast"])
-def test_optimizer_trains_every_routed_expert_and_leaves_unrouted_ones_untouched(precision):
+def test_optimizer_trains_every_routed_expert_and_leaves_unrouted_ones_untouched(precision, direction):
     """At the realistic step size (update_ratio 6e-5), fp32 and under bf16 autocast: every expert that
     received tokens moves, the one that received none is bit-identical (zero sketch rows → zero
     direction, no NaN), and ‖ΔW‖/‖W‖ of each stacked weight is the update ratio times α."""
     model = tiny_qwen3_moe()
     avoid_last_expert(model)
-    optimizer = LoGRAOptimizer(patch_model(model), rank=4, kl_budget=None, update_ratio=6e-5)
+    optimizer = LoGRAOptimizer(patch_model(model), rank=4, kl_budget=None, update_ratio=6e-5, direction=direction)
     experts = [t for t in optimizer.targets if t.experts > 1]
     assert [t.name.rsplit(".", 1)[-1] for t in experts] == ["gate_up_proj", "down_proj"] * 2
     before = {t.name: t.weight.detach().clone() for t in experts}
@@ -309,6 +310,32 @@ def test_optimizer_trains_every_routed_expert_and_leaves_unrouted_ones_untouched
         assert moved == [True, True, True, False], target.name
         ratio = float((weight - old).norm() / old.norm())
         assert ratio == pytest.approx(6e-5, rel=0.02)
+
+
+def test_orthogonal_directions_orthogonalise_each_expert_on_its_own():
+    """``direction="orthogonal"``: the merged factor of a stacked-experts target is, expert by
+    expert, a multiple (``α η``, one per target) of that expert's own polar factor; the unrouted
+    expert's block stays zero."""
+    model = tiny_qwen3_moe()
+    avoid_last_expert(model)
+    optimizer = LoGRAOptimizer(
+        patch_model(model), rank=4, kl_budget=None, update_ratio=6e-5, direction="orthogonal", wire_dtype=None
+    )
+    merged_updates = []
+    optimizer.register_merge_hook(lambda opt, update: merged_updates.append(update))
+    model.train()
+    model(**fixed_batch(batch=4, seq=12)).loss.backward()
+    optimizer.step()
+    experts = {t.name: t.experts for t in optimizer.targets if t.experts > 1}
+    for update in merged_updates[0].targets:
+        if update.name not in experts:
+            continue
+        blocks = update.factor.double().split(update.out_features // experts[update.name])
+        grams = [block.T @ block for block in blocks[:-1]]
+        scale = grams[0].diagonal().mean()
+        for gram in grams:  # every routed expert: Fᵀ F = (α η)² I, the same multiple
+            torch.testing.assert_close(gram / scale, torch.eye(gram.shape[0], dtype=torch.float64), atol=1e-4, rtol=0)
+        assert torch.equal(blocks[-1], torch.zeros_like(blocks[-1])), update.name
 
 
 @pytest.mark.parametrize("build", [tiny_qwen3_moe, tiny_gpt_oss], ids=["qwen3_moe", "gpt_oss"])

@@ -148,14 +148,20 @@ def test_missing_probe_contexts_say_how_to_give_them(fitted_model):
 # Predictions
 
 
-def test_jvp_and_finite_difference_probes_agree(fitted_model):
+def _sketched_probe_inputs(fitted_model, **options):
+    """A copy of the fitted model, patched, one backward of its batch into a ``LoGRAOptimizer``
+    (rank 16, KL budget 1e-4, fp32 factors, ``options``); returns ``(model, optimizer, targets,
+    factors, contexts)`` with each target's factor a tenth of its sketch."""
     base, batch = fitted_model
     model = patch_model(copy.deepcopy(base))
-    opt = LoGRAOptimizer(model, rank=16, kl_budget=1e-4, direction="sgd", wire_dtype=None)
+    opt = LoGRAOptimizer(model, rank=16, kl_budget=1e-4, wire_dtype=None, **options)
     model(**batch).loss.backward()
     targets = [t.state for t in opt.targets]
-    factors = [t.sketch * 1e-1 for t in targets]
-    contexts = opt.kl_control.contexts()
+    return model, opt, targets, [t.sketch * 1e-1 for t in targets], opt.kl_control.contexts()
+
+
+def test_jvp_and_finite_difference_probes_agree(fitted_model):
+    model, opt, targets, factors, contexts = _sketched_probe_inputs(fitted_model, direction="sgd")
     weights = [p.clone() for p in model.parameters()]
     q_jvp, n_jvp, _ = jvp_predicted_kl(model, targets, factors, contexts)
     q_fd, n_fd, _ = finite_difference_predicted_kl(model, targets, factors, contexts, epsilon=1e-2)
@@ -171,13 +177,7 @@ def test_probe_on_a_subset_of_positions_predicts_their_terms_exactly(fitted_mode
     """Dropping the sequences with no kept position changes nothing: the subset's prediction is the
     full contexts' one restricted to the kept positions (float64 terms, summed); and the optimizer
     probes ``probe_positions`` of them, a new draw at each update."""
-    base, batch = fitted_model
-    model = patch_model(copy.deepcopy(base))
-    opt = LoGRAOptimizer(model, rank=16, kl_budget=1e-4, probe_samples=4, probe_positions=5, wire_dtype=None)
-    model(**batch).loss.backward()
-    targets = [t.state for t in opt.targets]
-    factors = [t.sketch * 1e-1 for t in targets]
-    contexts = opt.kl_control.contexts()
+    model, opt, targets, factors, contexts = _sketched_probe_inputs(fitted_model, probe_samples=4, probe_positions=5)
     subset = subsample_positions(contexts, 5, seed=3)
     restricted = ProbeContexts(contexts.input_ids, contexts.attention_mask, _full_mask(contexts.probe_mask, 5, 3))
     q_subset, n_subset, _ = jvp_predicted_kl(model, targets, factors, subset)
@@ -192,7 +192,7 @@ def test_probe_on_a_subset_of_positions_predicts_their_terms_exactly(fitted_mode
         opt.step()
         assert opt.stats["probe_tokens"] == 5
         opt.zero_grad()
-        model(**batch).loss.backward()
+        model(**fitted_model[1]).loss.backward()
     assert opt.update_index == 2 and seeds == [1, 2]  # a new draw at each update, seeded by its index
     assert not torch.equal(_full_mask(contexts.probe_mask, 5, 1), _full_mask(contexts.probe_mask, 5, 2))
 
@@ -200,21 +200,15 @@ def test_probe_on_a_subset_of_positions_predicts_their_terms_exactly(fitted_mode
 def test_the_jvp_probe_computes_sdpa_attention_in_closed_form(fitted_model, monkeypatch):
     """Every attention call of the JVP probe of an ``sdpa`` model goes through the closed form, and
     the prediction equals forward AD through torch's math attention."""
-    base, batch = fitted_model
-    model = patch_model(copy.deepcopy(base))
-    opt = LoGRAOptimizer(model, rank=16, kl_budget=1e-4, direction="sgd", wire_dtype=None)
-    model(**batch).loss.backward()
-    targets = [t.state for t in opt.targets]
-    factors = [t.sketch * 1e-1 for t in targets]
-    contexts = opt.kl_control.contexts()
+    model, opt, targets, factors, contexts = _sketched_probe_inputs(fitted_model, direction="sgd")
     calls = []
     closed_form = attention.attention_with_tangent
     monkeypatch.setattr(attention, "attention_with_tangent", lambda *a, **k: calls.append(1) or closed_form(*a, **k))
     q_closed, _, _ = jvp_predicted_kl(model, targets, factors, contexts)
-    assert len(calls) == base.config.num_hidden_layers
+    assert len(calls) == model.config.num_hidden_layers
     monkeypatch.setattr(probe, "AttentionTangentMode", contextlib.nullcontext)
     q_op_by_op, _, _ = jvp_predicted_kl(model, targets, factors, contexts)
-    assert len(calls) == base.config.num_hidden_layers
+    assert len(calls) == model.config.num_hidden_layers
     assert float(q_closed) == pytest.approx(float(q_op_by_op), rel=1e-5)
 
 
@@ -223,13 +217,7 @@ def test_chunked_lm_head_probe_equals_the_full_logits_probe(fitted_model, monkey
     (no ``positions × vocabulary`` logits); it must predict the same KL as the full-logits path."""
     import logra_optim.probe as probe
 
-    base, batch = fitted_model
-    model = patch_model(copy.deepcopy(base))
-    opt = LoGRAOptimizer(model, rank=16, kl_budget=1e-4, direction="sgd", wire_dtype=None)
-    model(**batch).loss.backward()
-    targets = [t.state for t in opt.targets]
-    factors = [t.sketch * 1e-1 for t in targets]
-    contexts = opt.kl_control.contexts()
+    model, opt, targets, factors, contexts = _sketched_probe_inputs(fitted_model, direction="sgd")
     q_full, n_full, logits = jvp_predicted_kl(model, targets, factors, contexts, keep_base=True)
     monkeypatch.setattr(probe, "HEAD_CHUNK_POSITIONS", 3)  # several chunks, a ragged last one
     q_chunked, n_chunked, none = jvp_predicted_kl(model, targets, factors, contexts, keep_base=False)

@@ -523,3 +523,18 @@ def test_orthogonal_direction_of_zero_is_zero_and_next_direction_keeps_the_momen
     torch.testing.assert_close(new_state["first_moment"], momentum)
     torch.testing.assert_close(direction, orthogonal_direction(momentum / (1 - 0.9**3)))
     torch.testing.assert_close(direction.T @ direction, torch.eye(3), atol=1e-5, rtol=0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(experts=st.integers(1, 4), d=st.integers(1, 8), r=st.integers(1, 6), seed=st.integers(0, 2**16))
+def test_orthogonal_direction_of_stacked_experts_is_each_experts_polar_factor(experts, d, r, seed):
+    """Experts stacked as ``E·d × r`` rows: every expert's block is its own polar factor (a scaled or
+    zero expert does not change another's)."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks = [torch.randn(d, r, generator=generator) * 10.0 ** (2 * e) for e in range(experts)]
+    blocks[-1] = blocks[-1] * (seed % 2)  # an expert with no tokens: a zero block
+    direction = orthogonal_direction(torch.cat(blocks), experts)
+    for block, expected in zip(direction.split(d), blocks):
+        torch.testing.assert_close(block, orthogonal_direction(expected), rtol=0, atol=2e-5)
+    _, state = next_direction("orthogonal", torch.cat(blocks), {}, experts=experts)
+    assert set(state) == {"step"}
