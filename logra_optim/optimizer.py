@@ -84,9 +84,12 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             expert sees only its routed tokens: a lower rank than attention's usually suits them.
         kl_budget: predicted-KL budget ``δ`` per update: a number, a schedule ``f(update) -> δ``
             (e.g. :class:`~logra_optim.kl.CosineBudget`), or ``None`` to turn KL control off (α = 1).
-        direction: ``"rowadam"`` (row second moment, docs/method.md §2), ``"orthogonal"`` (the
-            polar factor of the first moment or sketch: its singular values set to 1; it learned
-            better than RowAdam on both toy policies measured, docs/benchmarks.md) or ``"sgd"``
+        direction: ``"orthogonal"`` (default: the polar factor of the first moment, or of the
+            sketch without one: its singular values set to 1, so every direction the sketch sees
+            moves the weights equally; no state beyond the first moment; it learned better than
+            RowAdam on both toy policies and in the demo, docs/benchmarks.md), ``"rowadam"`` (one
+            second moment per output row, docs/method.md §2; the former default, which a checkpoint
+            saved with it keeps) or ``"sgd"``
             (``U = S``).
             (``optimizer=`` is the deprecated name of this option.)
         update_ratio: relative update norm ``ρ_upd``: at α = 1 every target moves by

@@ -233,7 +233,7 @@ def check_targets(targets: Sequence[Target], step: StepOptions, kl: KLOptions) -
 def direction_option(direction: str | None, optimizer: str | None) -> str:
     """``direction``, or the deprecated ``optimizer=`` spelling of it (it read oddly on an optimizer)."""
     if optimizer is None:
-        return "rowadam" if direction is None else direction
+        return "orthogonal" if direction is None else direction
     if direction is not None:
         raise ValueError("give direction= only (optimizer= is its deprecated name), not both")
     if optimizer not in DIRECTIONS:

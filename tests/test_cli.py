@@ -303,10 +303,18 @@ def test_quick_demo_learns_and_reports(tmp_path):
 
 
 def test_bench_on_the_tiny_preset(tmp_path):
-    methods = "adamw,lora,galore,logra-sgd,logra-rowadam"
+    methods = "adamw,lora,galore,logra-sgd,logra-rowadam,logra-orthogonal"
     data = run_tiny_bench(tmp_path, methods, "--ranks", "4", "--seq", "64")
     labels = [r["label"] for r in data["results"]]
-    assert labels == ["adamw", "lora r=8", "galore r=8", "logra-sgd r=8", "logra-rowadam r=4", "logra-rowadam r=8"]
+    assert labels == [
+        "adamw",
+        "lora r=8",
+        "galore r=8",
+        "logra-sgd r=8",
+        "logra-rowadam r=4",
+        "logra-rowadam r=8",
+        "logra-orthogonal r=8",
+    ]
     by_label = {r["label"]: r for r in data["results"]}
     for r in data["results"]:
         # A model this small may never lift RSS above its post-import high-water mark: 0 is honest.
@@ -540,6 +548,20 @@ def test_logra_and_lora_state_match_the_real_optimizers(config):
     assert predicted["first moments"] == sum(m.numel() * m.element_size() for m in moments)
     without = plan_module.Setting(rank=rank, dtype="fp32", batch=1, seq=8, first_moment=False)
     assert "first moments" not in plan_module.breakdown(shape, "logra", without)
+    assert set(optimizer.state[optimizer.targets[0].weight]) == {"step", "first_moment"}  # orthogonal: nothing per row
+    assert "row statistics" not in predicted
+
+    rowadam_model = build_tiny_model(config)
+    rowadam = LoGRAOptimizer(patch_model(rowadam_model), rank=rank, direction="rowadam")
+    rowadam_model(
+        input_ids=torch.randint(0, config["vocab_size"], (1, 8)), labels=torch.randint(0, config["vocab_size"], (1, 8))
+    )["loss"].backward()
+    rowadam.step()
+    rows = [rowadam.state[t.weight]["row_second_moment"] for t in rowadam.targets]
+    with_rows = plan_module.breakdown(
+        shape, "logra", plan_module.Setting(rank=rank, dtype="fp32", batch=1, seq=8, direction="rowadam")
+    )
+    assert with_rows["row statistics"] == sum(m.numel() * m.element_size() for m in rows)
 
     lora = lora_model(config, rank)
     adapters = sum(p.numel() for p in lora.parameters() if p.requires_grad)

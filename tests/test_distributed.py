@@ -55,6 +55,13 @@ def torchrun(worker: str, *args: str, timeout: float = 600) -> subprocess.Comple
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
 
+# Two ranks and one process sum the sketches in different orders (fp32). The default orthogonal
+# direction, the first moment's polar factor, passes that difference on amplified by the moment's
+# condition number: about 1e-6 of the weights here. Every target moves by more than 1e-4 (10× this),
+# so a wrong average or a missing rank's tokens still fails.
+WEIGHT_TOLERANCE = 1e-5
+
+
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want.double()).abs().max() / want.double().abs().max())
 
@@ -78,7 +85,7 @@ def test_two_ranks_on_half_batches_equal_one_process_on_the_full_batch(mode, tmp
         for name, weight in want["weights"].items():
             # The check means something: every target moved far more than the tolerance.
             assert _relative_error(weight, initial[name]) > 1e-4, (config, name)
-            assert _relative_error(got["weights"][name], weight) < 1e-6, (config, name)
+            assert _relative_error(got["weights"][name], weight) < WEIGHT_TOLERANCE, (config, name)
         assert got["alphas"] == pytest.approx(want["alphas"], rel=1e-5), config
         if "kl_budget" in CONFIGS[config]:
             assert any(alpha != 1.0 for alpha in got["alphas"])  # KL control chose the steps
@@ -91,7 +98,7 @@ def test_two_ranks_on_half_batches_equal_one_process_on_the_full_batch(mode, tmp
     if variant is not None:
         want, got = _reference("kl-check", mode), results[variant]
         for name, weight in want["weights"].items():
-            assert _relative_error(got["weights"][name], weight) < 1e-6, name
+            assert _relative_error(got["weights"][name], weight) < WEIGHT_TOLERANCE, name
         assert got["alphas"] == pytest.approx(want["alphas"], rel=1e-5)
 
     if mode in MOE_MODES:  # mixture of experts: every expert of every layer, with the probe through them
@@ -100,7 +107,7 @@ def test_two_ranks_on_half_batches_equal_one_process_on_the_full_batch(mode, tmp
         assert sum(".experts." in name for name in want["weights"]) == 4
         for name, weight in want["weights"].items():
             assert _relative_error(weight, initial[name]) > 1e-4, name
-            assert _relative_error(got["weights"][name], weight) < 1e-6, name
+            assert _relative_error(got["weights"][name], weight) < WEIGHT_TOLERANCE, name
         assert got["alphas"] == pytest.approx(want["alphas"], rel=1e-5)
         if mode == "fsdp2":  # uneven shards over experts: rank 0 holds experts 0–1, rank 1 expert 2
             first, second = results["moe_layouts"]
@@ -133,7 +140,7 @@ def test_two_ranks_train_transposed_experts_as_one_process(tmp_path):
         assert sum(".experts." in name for name in want["weights"]) == 4
         for name, weight in want["weights"].items():
             assert _relative_error(weight, initial[name]) > 1e-4, (mode, name)
-            assert _relative_error(got["weights"][name], weight) < 1e-6, (mode, name)
+            assert _relative_error(got["weights"][name], weight) < WEIGHT_TOLERANCE, (mode, name)
         assert got["alphas"] == pytest.approx(want["alphas"], rel=1e-5), mode
     first, second = results["fsdp2"]["layouts"]
     assert {(kind, transposed) for kind, _, _, transposed in first + second} == {("rows", True)}
@@ -285,7 +292,7 @@ def test_state_dict_lists_every_target_before_its_first_update():
         if load_fresh_state:
             state = opt.state_dict()
             assert set(state["state"]) == {0, 1}
-            assert all(float(entry["row_second_moment"].abs().sum()) == 0 for entry in state["state"].values())
+            assert all(float(entry["first_moment"].abs().sum()) == 0 for entry in state["state"].values())
             opt.load_state_dict(state)
         for _ in range(2):
             model(torch.randn(5, 12, generator=torch.Generator().manual_seed(0))).square().sum().backward()

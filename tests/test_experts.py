@@ -389,8 +389,8 @@ def test_state_dict_resumes_every_expert_bit_identically(build):
     torch.save(optimizer.state_dict(), buffer)
     buffer.seek(0)
     state = torch.load(buffer, weights_only=True)
-    moment = state["state"][len(optimizer.targets) - 1]["row_second_moment"]  # the last layer's down_proj
-    assert moment.shape == (4 * model.config.hidden_size,)  # E·d rows
+    moment = state["state"][len(optimizer.targets) - 1]["first_moment"]  # the last layer's down_proj
+    assert moment.shape == (4 * model.config.hidden_size, 4)  # E·d rows, r columns
     resumed_model = copy.deepcopy(model)
     unpatch_model(resumed_model)
     resumed = LoGRAOptimizer(patch_model(resumed_model), rank=4, kl_budget=None, update_ratio=1e-3)
@@ -502,8 +502,8 @@ def test_gpt_oss_update_lands_in_the_transposed_storage():
     """One update moves expert ``e``'s stored weight to exactly ``weight[e] − (F_e A)ᵀ`` (float64
     reference ``W_e − F_e A`` on ``W_e = weight[e]ᵀ``), with ``F`` the factor the merge hook reports
     and ``A`` the target's projection; the expert that received no token is bit-identical; each
-    stacked weight moves by ``‖ΔW‖/‖W‖ = ρ_upd`` (η does not see the transposition); RowAdam keeps
-    one statistic per expert row; the biases (non-targets, frozen) do not move."""
+    stacked weight moves by ``‖ΔW‖/‖W‖ = ρ_upd`` (η does not see the transposition); the first moment
+    has one row per expert row; the biases (non-targets, frozen) do not move."""
     model = tiny_gpt_oss(dtype=torch.float64)
     avoid_last_expert(model)
     optimizer = LoGRAOptimizer(patch_model(model), rank=4, kl_budget=None, update_ratio=1e-3, wire_dtype=None)
@@ -526,7 +526,7 @@ def test_gpt_oss_update_lands_in_the_transposed_storage():
         moved = [not torch.equal(weight[e], old[e]) for e in range(target.experts)]
         assert moved == [True, True, True, False], target.name
         assert float((weight - old).norm() / old.norm()) == pytest.approx(1e-3, rel=1e-5)
-        assert optimizer.state[target.weight]["row_second_moment"].shape == (target.shape[0],)
+        assert optimizer.state[target.weight]["first_moment"].shape == (target.shape[0], 4)
     for name, parameter in model.named_parameters():
         if name in biases:
             assert torch.equal(parameter, biases[name]), name

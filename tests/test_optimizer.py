@@ -147,7 +147,7 @@ def test_wire_dtype_rounds_the_merged_factor(wire):
 
 
 @pytest.mark.parametrize("wire", [None, torch.bfloat16])
-@pytest.mark.parametrize("direction", ["sgd", "rowadam"])
+@pytest.mark.parametrize("direction", ["sgd", "rowadam", "orthogonal"])
 def test_update_ratio_sets_the_relative_update_norm(wire, direction):
     ratio = 1e-3
     model = patch_model(tiny_qwen2())
@@ -164,10 +164,11 @@ def test_update_ratio_sets_the_relative_update_norm(wire, direction):
 
 def test_ratio_scope_target_moves_every_target_by_the_same_relative_amount():
     """Default ``ratio_scope="target"``: each target moves by ρ of its own norm even when one layer's
-    gradient is 1000× another's; with ``"model"`` the large-gradient layer takes nearly all the step."""
+    gradient is 1000× another's; with ``"model"`` and a direction that keeps the gradient's scale
+    (RowAdam, SGD) the large-gradient layer takes nearly all the step."""
     ratio = 1e-3
     for scope in ("target", "model"):
-        model, opt = two_linear(rank=4, update_ratio=ratio, wire_dtype=None, ratio_scope=scope)
+        model, opt = two_linear(rank=4, update_ratio=ratio, wire_dtype=None, ratio_scope=scope, direction="rowadam")
         assert opt.param_groups[0]["ratio_scope"] == scope
         backward_random(model, torch.Generator().manual_seed(0))
         opt.targets[0].state.sketch.mul_(1000.0)  # a layer with a much larger gradient
@@ -638,6 +639,62 @@ def test_deprecated_optimizer_option_still_works_and_warns():
         LoGRAOptimizer(patch_model(OneLinear(8, 6), target_modules=["proj"]), rank=2, direction="sgd", optimizer="sgd")
 
 
+def test_the_default_direction_is_the_polar_factor_of_the_first_moment():
+    """Without ``direction=``, every merged factor is ``η`` times the polar factor of the
+    bias-corrected first moment (float64 reference: momentum of the sketches, SVD): all its
+    singular values equal ``η``; the state is the step and the first moment, nothing per row."""
+    model, opt = two_linear(rank=4, update_ratio=1e-2, wire_dtype=None)
+    assert opt.param_groups[0]["direction"] == "orthogonal"
+    factors = []
+    opt.register_merge_hook(lambda _, update: factors.append([t.factor.double() for t in update.targets]))
+    generator = torch.Generator().manual_seed(0)
+    moments = [torch.zeros(m.weight.shape[0], 4, dtype=torch.float64) for _, m in targets(model)]
+    for step in range(1, 4):
+        backward_random(model, generator, rows=8)  # full-rank sketches: a well-defined polar factor
+        before = snapshot(model)
+        opt.step()
+        for i, ((_, module), (_, sketch, _), factor) in enumerate(zip(targets(model), before, factors[-1])):
+            numerator, moments[i] = reference.momentum_step(sketch, moments[i], step, 0.9)
+            singular = torch.linalg.svdvals(factor)
+            eta = float(singular.mean())
+            torch.testing.assert_close(singular, torch.full_like(singular, eta), rtol=1e-5, atol=0)
+            torch.testing.assert_close(factor, eta * reference.polar(numerator), rtol=0, atol=1e-5 * eta)
+            assert set(opt.state[module.weight]) == {"step", "first_moment"}
+
+
+def test_a_rowadam_checkpoint_resumes_with_rowadam_under_the_orthogonal_default():
+    """The direction is part of the param group: a checkpoint saved with ``direction="rowadam"``
+    (the former default) continues as RowAdam in an optimizer built with today's default, bit for
+    bit as the uninterrupted run."""
+    generator = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(5, 12, generator=generator), torch.randn(5, 7, generator=generator)) for _ in range(3)]
+
+    def update(model, opt, batch):
+        (model(batch[0]) * batch[1]).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    model, opt = two_linear(rank=3, direction="rowadam", update_ratio=1e-2)
+    update(model, opt, batches[0])
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for batch in batches[1:]:
+        update(model, opt, batch)
+
+    resumed_model, resumed = two_linear(rank=3, update_ratio=1e-2)
+    with torch.no_grad():
+        for name, parameter in resumed_model.named_parameters():
+            parameter.copy_(weights[name])
+    buffer.seek(0)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    assert resumed.param_groups[0]["direction"] == "rowadam"
+    for batch in batches[1:]:
+        update(resumed_model, resumed, batch)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters()))
+    assert_same_state(resumed.state_dict(), opt.state_dict())
+
+
 def test_a_checkpoint_saved_with_the_old_group_key_loads():
     model = patch_model(OneLinear(8, 6, seed=2), target_modules=["proj"])
     opt = LoGRAOptimizer(model, rank=2, direction="sgd", update_ratio=1e-2)
@@ -650,7 +707,7 @@ def test_a_checkpoint_saved_with_the_old_group_key_loads():
     torch.save(state, buffer)
     buffer.seek(0)
     fresh_model = patch_model(OneLinear(8, 6, seed=2), target_modules=["proj"])
-    fresh = LoGRAOptimizer(fresh_model, rank=2, update_ratio=1e-2)  # rowadam by default
+    fresh = LoGRAOptimizer(fresh_model, rank=2, update_ratio=1e-2)  # orthogonal by default
     fresh.load_state_dict(torch.load(buffer, weights_only=True))
     assert fresh.param_groups[0]["direction"] == "sgd" and "optimizer" not in fresh.param_groups[0]
     assert fresh.update_index == 1

@@ -20,6 +20,7 @@ Methods (all on the same model, batch and loss; ``--rank`` is shared by the low-
                        every layer), no weight gradient, no optimizer.
     ``logra-sgd``      ``LoGRAOptimizer(patch_model(model), rank=r, direction="sgd")``.
     ``logra-rowadam``  the same with RowAdam, at ``--rank`` and each rank of ``--ranks``.
+    ``logra-orthogonal`` the same with orthogonal directions (the optimizer's default).
     Dense optimizers use the paper's control settings (lr 1e-6, betas 0.9/0.95).
 
 How it is measured: each configuration runs in a fresh process (``runner.run_fresh``), so peaks
@@ -69,6 +70,7 @@ METHODS = (
     "frozen",
     "logra-sgd",
     "logra-rowadam",
+    "logra-orthogonal",
 )
 DEFAULT_METHODS = tuple(m for m in METHODS if m != "adamw-targets")
 # Methods without a rank (``frozen`` is the floor), and the references whose ratios the table shows.

@@ -99,7 +99,7 @@ class DemoSettings:
     probe_dtype: str | None = "auto"
     # LoGRA's first moment in sketch space and how many updates keep one projection (docs/method.md §2).
     beta1: float = 0.9
-    direction: str = "rowadam"
+    direction: str = "orthogonal"
     refresh_every: int = 10
     # LoGRA's realised-KL check: measure each update's KL on the probe contexts after the merge and
     # redo it with a rescaled α when it misses the budget by more than 10%.

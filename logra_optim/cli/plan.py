@@ -12,8 +12,9 @@ Mistral-style decoders: attention q/k/v/o and a gated MLP per layer), for a per-
   parameters with gradients and two moments; activations: the linear layers' inputs as in dense
   training (each adapter's ``lora_A`` keeps its input) plus the ``r``-wide adapter outputs.
 * **LoGRA**: per target the fp32 sketch ``d × r``, the fp32 first moment of the same shape (the
-  default ``beta1=0.9``; ``--no-first-moment`` for ``beta1=0``) and one fp32 RowAdam statistic per
-  row, replicated on every GPU (each rank sketches its own tokens, then they are averaged). The
+  default ``beta1=0.9``; ``--no-first-moment`` for ``beta1=0``) and, with ``--direction rowadam``,
+  one fp32 statistic per row (the default orthogonal directions keep none), replicated on every
+  GPU (each rank sketches its own tokens, then they are averaged). The
   projections ``A`` are not kept: each is generated where it is used (forward, step size, merge)
   and freed, so what they add is a transient of at most two of them at once, counted as two fp32
   ``r × k`` of the widest input (q/k/v share one ``A``, gate/up share one: ``share_projections``,
@@ -47,6 +48,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..options import DIRECTIONS
 from .arguments import positive_int
 from .measure import GIB, ratio
 from .shapes import Shape, read_config
@@ -66,6 +68,7 @@ class Setting:
     sharded: bool = True
     checkpointing: bool = True
     first_moment: bool = True  # LoGRA's beta1 > 0 (its default)
+    direction: str = "orthogonal"  # LoGRA's direction rule; "rowadam" keeps one statistic per row
 
     @property
     def tokens(self) -> int:
@@ -135,7 +138,8 @@ def breakdown(shape: Shape, method: str, setting: Setting) -> dict[str, float]:
         if setting.first_moment:
             parts["first moments"] = parts["sketches"]
         parts["projections (transient)"] = 2 * 4 * _largest_projection(shape, setting)
-        parts["row statistics"] = 4 * outs
+        if setting.direction == "rowadam":
+            parts["row statistics"] = 4 * outs
 
     per_layer = _layer_activations(shape, method, r, setting.rank_for(2))
     if setting.checkpointing:
@@ -192,6 +196,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-first-moment", action="store_true", help="LoGRA with beta1=0: no first moment in sketch space"
     )
+    parser.add_argument(
+        "--direction",
+        choices=DIRECTIONS,
+        default="orthogonal",
+        help="LoGRA's direction rule: rowadam adds one fp32 statistic per row",
+    )
     parser.add_argument("--layers", type=positive_int, help="override the config's layer count")
     parser.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU, for the 'fits' row")
     parser.add_argument("--measured", help="a `logra bench` bench.json to compare with (same shape and batch)")
@@ -219,11 +229,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
         sharded=not args.replicated,
         checkpointing=not args.no_checkpointing,
         first_moment=not args.no_first_moment,
+        direction=args.direction,
     )
     predictions = {method: breakdown(shape, method, setting) for method in METHODS}
     if args.gpu_memory <= 0:
         parser.error(f"--gpu-memory must be positive (GiB), got {args.gpu_memory}")
-    measured = _measured_peaks(args.measured, args.rank) if args.measured else {}
+    measured = _measured_peaks(args.measured, args.rank, args.direction) if args.measured else {}
     if measured:
         meta = json.loads(Path(args.measured).read_text())["meta"]
         bench = {**meta, "checkpointing": bool(meta.get("checkpointing"))}  # absent from older runs: off
@@ -272,14 +283,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
     return {"shape": shape, "setting": setting, "predictions": predictions, "totals": totals, "measured": measured}
 
 
-def _measured_peaks(path: str, rank: int) -> dict[str, int]:
-    """Peaks of a ``logra bench`` run by plan method: dense AdamW, and LoRA and LoGRA (RowAdam) at
-    ``rank``."""
+def _measured_peaks(path: str, rank: int, direction: str) -> dict[str, int]:
+    """Peaks of a ``logra bench`` run by plan method: dense AdamW, and LoRA and LoGRA (with
+    ``direction``) at ``rank``."""
     try:
         results = json.loads(Path(path).read_text())["results"]
     except (OSError, json.JSONDecodeError, KeyError) as error:
         raise ValueError(f"--measured {path}: not a `logra bench` bench.json ({error})") from None
-    chosen = {"adamw": "adamw", "lora": "lora", "logra": "logra-rowadam"}
+    chosen = {"adamw": "adamw", "lora": "lora", "logra": f"logra-{direction}"}
     return {
         plan: r["peak_bytes"]
         for plan, bench in chosen.items()

@@ -60,6 +60,12 @@ def carried(moment: torch.Tensor, old_projection: torch.Tensor, new_projection: 
     return torch.linalg.lstsq(new_projection.double().t(), target, driver="gelsd").solution.t()
 
 
+def polar(numerator: torch.Tensor) -> torch.Tensor:
+    """The polar factor ``P Qᵀ`` of ``N = P Σ Qᵀ`` by a float64 SVD: ``N``'s singular values set to 1."""
+    left, _, right = torch.linalg.svd(numerator.double(), full_matrices=False)
+    return left @ right
+
+
 def direction(
     optimizer: str, sketch: torch.Tensor, moment: torch.Tensor, step: int, beta2=0.95, eps=1e-8, numerator=None
 ):
