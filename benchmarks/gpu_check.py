@@ -57,8 +57,8 @@ from logra_optim.cli.shapes import PRESETS
 from logra_optim.probe import finite_difference_predicted_kl, jvp_predicted_kl
 from logra_optim.sketch import SharedProjection, sketched_linear
 
-MEMORY_METHODS = ("adamw", "lora", "apollo-mini", "logra-rowadam")
-QUICK_MEMORY_METHODS = ("adamw", "logra-rowadam")
+MEMORY_METHODS = ("adamw", "lora", "apollo-mini", "logra-orthogonal")
+QUICK_MEMORY_METHODS = ("adamw", "logra-orthogonal")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -213,7 +213,7 @@ def check_memory(device: str, quick: bool) -> dict:
         adamw = next(r for r in rows if r["method"] == "adamw" and r["checkpointing"] == row["checkpointing"])
         if "peak_bytes" in row:
             row["memory_vs_adamw"] = row["peak_bytes"] / adamw["peak_bytes"] if adamw["peak_bytes"] else None
-    logra = [r for r in rows if r["method"] == "logra-rowadam"]
+    logra = [r for r in rows if r["method"] == "logra-orthogonal"]
     lowest = all(
         r["peak_bytes"]
         <= min(o["peak_bytes"] for o in rows if o["checkpointing"] == r["checkpointing"] and "peak_bytes" in o)

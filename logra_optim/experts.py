@@ -12,7 +12,8 @@ One ``A`` per layer and weight serves all its experts: they share the input widt
 ``gate_up`` experts even share their input (the layer's hidden states), whose ``x Aᵀ`` is computed
 once for all of them and gathered per expert. Each expert keeps its own sketch rows, unbiased as
 before (``A`` is independent of the data), so the optimizer treats the stacked weight as the
-``E·d × k`` matrix of its row-major layout: one target, one ``A``, RowAdam rows per expert row.
+``E·d × k`` matrix of its row-major layout: one target, one ``A``, one first-moment row (and
+RowAdam row) per expert row.
 
 Some models store each expert's matrix transposed (``is_transposed``: GPT-OSS's ``gate_up_proj``
 ``[E, H, 2I]``, ``down_proj`` ``[E, I, H]``). Expert ``e`` is then the linear map ``W_e = weight[e]ᵀ``

@@ -472,6 +472,21 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 transfers[key] = basis_change(old.generate(), new.generate())
             state["first_moment"] = carry_first_moment(state["first_moment"], transfers[key])
 
+    def _refuse_missing_row_moments(self, state_dict: dict[str, Any]) -> None:
+        """A RowAdam checkpoint loaded into a template (``torch.distributed.checkpoint``) built by an
+        optimizer with another direction arrives without its row moments: the template had no such
+        entry. Resuming would restart them from zero under a step count that is not, so refuse."""
+        if state_dict["param_groups"][0].get("direction") != "rowadam":
+            return
+        for index, entry in state_dict["state"].items():
+            if float(entry.get("step", 0)) > 0 and "row_second_moment" not in entry:
+                raise ValueError(
+                    f"state_dict: target {self._targets[int(index)].name!r} was trained with "
+                    "direction='rowadam' but its row_second_moment is missing (a checkpoint loaded into the "
+                    "template of an optimizer with another direction drops it); build the optimizer with "
+                    "direction='rowadam' before loading this checkpoint"
+                )
+
     def _refuse_loss_scaling(self) -> None:
         if not hasattr(self, "found_inf"):  # set by GradScaler.step for the duration of the call
             return
@@ -720,6 +735,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         if (non_target is None) != (self.non_target_optimizer is None):
             raise ValueError("state_dict and optimizer disagree on whether a non_target_optimizer is used")
         state_dict["param_groups"] = [upgrade_param_group(g) for g in state_dict["param_groups"]]
+        self._refuse_missing_row_moments(state_dict)
         super().load_state_dict(state_dict)
         # torch casts floating state to the parameter's dtype; the moments stay fp32, like the sketches.
         for index, target in enumerate(self._targets):

@@ -345,6 +345,43 @@ def test_bench_on_the_tiny_preset(tmp_path):
     )
     assert plan.returncode == 0, plan.stderr
     assert "measured peak" in plan.stdout and "predicted / measured" in plan.stdout
+    assert "no logra-orthogonal row" not in plan.stdout  # the bench ran the default direction
+    rowadam_plan = run_cli(
+        "plan",
+        str(config),
+        "--dtype",
+        "fp32",
+        "--batch",
+        "2",
+        "--seq",
+        "64",
+        "--rank",
+        "4",
+        "--direction",
+        "rowadam",
+        "--no-checkpointing",
+        "--measured",
+        str(tmp_path / "bench.json"),
+    )
+    assert "no logra-rowadam row at rank 4" not in rowadam_plan.stdout  # --ranks 4 ran RowAdam
+    sgd_plan = run_cli(
+        "plan",
+        str(config),
+        "--dtype",
+        "fp32",
+        "--batch",
+        "2",
+        "--seq",
+        "64",
+        "--rank",
+        "4",
+        "--direction",
+        "sgd",
+        "--no-checkpointing",
+        "--measured",
+        str(tmp_path / "bench.json"),
+    )
+    assert "no logra-sgd row at rank 4" in sgd_plan.stdout
 
 
 def test_bench_peers_floor_and_accumulation(tmp_path):

@@ -25,8 +25,9 @@ from tests.helpers.tiny import fixed_batch, sketches, sum_token_loss, tiny_qwen2
 
 RANK = 4
 SIZES = {"lr": 1e-2, "update_ratio": 1e-3}
-# The paper's rule (a new A every update, no first moment) in every combination, then the defaults'
-# first moment and slower refresh (every 2 updates here, so that two steps cross a redraw).
+# The paper's rule (a new A every update, no first moment) in every combination, then the first
+# moment and slower refresh (every 2 updates here, so that two steps cross a redraw) with RowAdam and
+# with the default orthogonal directions (given by omission: the default is what runs).
 VARIANTS = [
     pytest.param(
         dict(direction=direction, refresh=refresh, refresh_every=1, beta1=0.0, **{mode: SIZES[mode]}),
@@ -39,7 +40,11 @@ VARIANTS = [
     pytest.param(
         dict(direction="rowadam", refresh=True, refresh_every=2, beta1=0.9, update_ratio=SIZES["update_ratio"]),
         id="rowadam-momentum-every2-update_ratio",
-    )
+    ),
+    pytest.param(
+        dict(refresh=True, refresh_every=2, beta1=0.9, update_ratio=SIZES["update_ratio"]),
+        id="orthogonal-default-momentum-every2-update_ratio",
+    ),
 ]
 
 
@@ -79,7 +84,7 @@ def test_state_dict_round_trip_continues_bit_identically(variant):
     assert state["logra"]["update_index"] == 2
     # A is regenerated, never stored: per target a step count and, for RowAdam, one fp32 moment
     # per output row.
-    moments = {"step", "row_second_moment"} if variant["direction"] == "rowadam" else {"step"}
+    moments = {"step", "row_second_moment"} if variant.get("direction", "orthogonal") == "rowadam" else {"step"}
     if variant.get("beta1"):  # and a d×r fp32 first moment, like the sketch
         moments.add("first_moment")
     for index, target in enumerate(opt.targets):
@@ -112,7 +117,7 @@ def test_state_dict_round_trip_continues_bit_identically(variant):
     train(twin, resumed, [2, 3])
     assert_same_weights(model, twin)
     assert_same_state(resumed.state_dict(), opt.state_dict())
-    if variant["direction"] == "rowadam" or variant["refresh"]:
+    if variant.get("direction", "orthogonal") == "rowadam" or variant["refresh"]:
         # Where the state matters (moments, the update index that draws A), a fresh optimizer that
         # did not load it continues differently: the check above is not vacuous.
         train(unloaded, build(variant, unloaded)[1], [2, 3])
@@ -148,7 +153,9 @@ def test_lr_scheduler_drives_the_step(variant):
                 if previous is not None and not torch.equal(previous[i][2], a):
                     first_moments[i] = reference.carried(first_moments[i], previous[i][2], a)
                 numerator, first_moments[i] = reference.momentum_step(s, first_moments[i], step, beta1)
-            u, moments[i] = reference.direction(variant["direction"], s, moments[i], step, numerator=numerator)
+            u, moments[i] = reference.direction(
+                variant.get("direction", "orthogonal"), s, moments[i], step, numerator=numerator
+            )
             directions.append(u)
         previous = before
         if mode == "lr":
@@ -233,6 +240,7 @@ def test_gradient_accumulation_equals_one_concatenated_batch(variant):
         ("sgd", torch.float32, {}),
         ("rowadam", torch.bfloat16, {}),
         ("rowadam", torch.bfloat16, dict(beta1=0.9, refresh_every=2)),  # torch would cast M to bf16
+        ("orthogonal", torch.bfloat16, dict(beta1=0.9, refresh_every=2)),
     ],
 )
 def test_resume_continues_bit_identically(tmp_path, direction, dtype, momentum):

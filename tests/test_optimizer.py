@@ -695,6 +695,28 @@ def test_a_rowadam_checkpoint_resumes_with_rowadam_under_the_orthogonal_default(
     assert_same_state(resumed.state_dict(), opt.state_dict())
 
 
+def test_a_rowadam_checkpoint_through_a_template_loader_is_refused_not_reset(tmp_path):
+    """``torch.distributed.checkpoint`` loads into the state_dict of the optimizer it resumes, whose
+    template (the default direction) has no row moments: the RowAdam moments would be dropped and
+    restart from zero, so loading is refused, naming the fix; built with RowAdam, it resumes."""
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = two_linear(rank=3, direction="rowadam", update_ratio=1e-2)
+    backward_random(model, torch.Generator().manual_seed(0))
+    opt.step()
+    dcp.save({"optim": opt}, checkpoint_id=str(tmp_path))
+    _, default = two_linear(rank=3, update_ratio=1e-2)
+    with pytest.raises(ValueError, match="direction='rowadam' before loading"):
+        dcp.load({"optim": default}, checkpoint_id=str(tmp_path))
+    _, rowadam = two_linear(rank=3, direction="rowadam", update_ratio=1e-2)
+    dcp.load({"optim": rowadam}, checkpoint_id=str(tmp_path))
+    loaded, saved = rowadam.state_dict()["state"], opt.state_dict()["state"]
+    assert loaded.keys() == saved.keys()
+    for index, entry in saved.items():
+        assert entry.keys() == loaded[index].keys() and "row_second_moment" in entry
+        assert all(torch.equal(loaded[index][key], value) for key, value in entry.items()), index
+
+
 def test_a_checkpoint_saved_with_the_old_group_key_loads():
     model = patch_model(OneLinear(8, 6, seed=2), target_modules=["proj"])
     opt = LoGRAOptimizer(model, rank=2, direction="sgd", update_ratio=1e-2)

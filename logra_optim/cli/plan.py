@@ -279,7 +279,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
         table.add_row(
             "predicted / measured", *(ratio(totals[m], measured[m]) if m in measured else "-" for m in METHODS)
         )
-    Console(width=max(Console().width, 110)).print(table)
+    console = Console(width=max(Console().width, 110))
+    console.print(table)
+    if args.measured and "logra" not in measured:
+        console.print(
+            f"no logra-{args.direction} row at rank {args.rank} in {args.measured}; pass the --direction it "
+            "was measured with (logra bench --methods logra-rowadam, logra-orthogonal)",
+            soft_wrap=True,
+        )
     return {"shape": shape, "setting": setting, "predictions": predictions, "totals": totals, "measured": measured}
 
 

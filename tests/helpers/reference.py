@@ -60,19 +60,23 @@ def carried(moment: torch.Tensor, old_projection: torch.Tensor, new_projection: 
     return torch.linalg.lstsq(new_projection.double().t(), target, driver="gelsd").solution.t()
 
 
-def polar(numerator: torch.Tensor) -> torch.Tensor:
-    """The polar factor ``P Qᵀ`` of ``N = P Σ Qᵀ`` by a float64 SVD: ``N``'s singular values set to 1."""
-    left, _, right = torch.linalg.svd(numerator.double(), full_matrices=False)
-    return left @ right
+def polar(numerator: torch.Tensor, floor: float = 1e-5) -> torch.Tensor:
+    """The polar factor ``P Qᵀ`` of ``N = P Σ Qᵀ`` by a float64 SVD: ``N``'s singular values set to 1,
+    those below ``floor · σ_max`` to ``σ / (floor · σ_max)`` instead (docs/method.md §2)."""
+    left, singular, right = torch.linalg.svd(numerator.double(), full_matrices=False)
+    threshold = floor * singular.max().clamp_min(1e-300)
+    return (left * (singular / singular.clamp_min(threshold))) @ right
 
 
 def direction(
     optimizer: str, sketch: torch.Tensor, moment: torch.Tensor, step: int, beta2=0.95, eps=1e-8, numerator=None
 ):
-    """``(U, v)`` of ``optimizer`` ("sgd": ``U = numerator`` or ``S``, the moment unused; "rowadam":
-    :func:`rowadam_step`)."""
+    """``(U, v)`` of ``optimizer`` ("sgd": ``U = numerator`` or ``S``, the moment unused;
+    "orthogonal": :func:`polar` of it, the moment unused; "rowadam": :func:`rowadam_step`)."""
     if optimizer == "sgd":
         return (sketch if numerator is None else numerator).double(), moment
+    if optimizer == "orthogonal":
+        return polar(sketch if numerator is None else numerator), moment
     return rowadam_step(sketch, moment, step, beta2, eps, numerator)
 
 
