@@ -159,7 +159,7 @@ def sketching_linear(module: nn.Module, names: tuple[str, str], states, hidden: 
         projected = projected_input[tokens] if which == 0 else states[1].shared_projection.project(x)
         bias = None if biases[which] is None else biases[which][expert]
         sketch = sketches[which][expert]
-        return SketchedLinear.apply(x, weights[which][expert], bias, projected, sketch, GRAPH_ANCHOR)
+        return SketchedLinear.apply(x, weights[which][expert], bias, projected, sketch, GRAPH_ANCHOR, states[which])
 
     return linear
 

@@ -40,7 +40,15 @@ from .projection import GENERATOR, ProjectionSpec, projection_key, projection_se
 from .sketch import SharedProjection, SketchBank, generated
 from .sync import TargetUpdate, Update, rounding_seed
 from .target import Target
-from .updates import basis_change, carry_first_moment, low_rank_sq_norm, next_direction, step_sizes
+from .updates import (
+    POLAR_FLOOR,
+    POLAR_FLOOR_16BIT,
+    basis_change,
+    carry_first_moment,
+    low_rank_sq_norm,
+    next_direction,
+    step_sizes,
+)
 
 
 @dataclass
@@ -392,9 +400,14 @@ class LoGRAOptimizer(torch.optim.Optimizer):
     # ----------------------------------------------------------------------------------------------
     # The update
 
+    def _clear_sketches(self) -> None:
+        self._bank.zero_()
+        for target in self._targets:
+            target.state.sketch_product_dtype = None
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the sketches (and the non-target optimizer's gradients)."""
-        self._bank.zero_()
+        self._clear_sketches()
         super().zero_grad(set_to_none=set_to_none)
         if self.non_target_optimizer is not None:
             self.non_target_optimizer.zero_grad(set_to_none=set_to_none)
@@ -455,7 +468,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             old = [t.state.shared_projection for t in self._targets]
             self._bind_projections()
             self._carry_first_moments(old)
-        self._bank.zero_()
+        self._clear_sketches()
         return update
 
     def _carry_first_moments(self, old_projections: list[SharedProjection]) -> None:
@@ -511,6 +524,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 group["eps"],
                 group["beta1"],
                 target.state.experts,
+                POLAR_FLOOR if target.state.sketch_product_dtype is None else POLAR_FLOOR_16BIT,
             )
             steps.append(TargetStep(index, direction, state, eta=group["lr"]))
         if group["lr_mode"] == "update_ratio":
@@ -758,7 +772,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self.kl_control.mismatch = float(logra["mismatch"])
         self.nonfinite_skips = int(logra["nonfinite_skips"])
         self.probe_skips = int(logra["probe_skips"])
-        self._bank.zero_()
+        self._clear_sketches()
         self._bind_projections()
         if self._ranks is not None:
             self._ranks.check(self._fingerprint())

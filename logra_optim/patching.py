@@ -76,6 +76,9 @@ class TargetState:
     # The dtype the latest probe forward computed this layer in (its input's): under FSDP2's
     # MixedPrecisionPolicy it is bf16 although the stored weight is fp32.
     probe_compute_dtype: torch.dtype | None = None
+    # Set by a backward whose sketch product was 16-bit (autocast, bf16 weights) since the sketch
+    # was last cleared: orthogonal directions then use a floor above that rounding noise.
+    sketch_product_dtype: torch.dtype | None = None
 
     @property
     def bound(self) -> bool:
@@ -124,7 +127,7 @@ def _patched_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
     if not target.bound or not (self.training and torch.is_grad_enabled()):
         return F.linear(input, self.weight, self.bias)
     _check_device(target, self.weight)
-    return sketched_linear(input, self.weight, self.bias, target.shared_projection, target.sketch)
+    return sketched_linear(input, self.weight, self.bias, target.shared_projection, target.sketch, target)
 
 
 def _patched_experts_forward(self: nn.Module, hidden_states, top_k_index, top_k_weights, *args, **kwargs):

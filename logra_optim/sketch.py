@@ -84,10 +84,11 @@ class SketchedLinear(torch.autograd.Function):
     siblings sharing ``x`` and ``A`` save one tensor between them; ``A`` is not needed here."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, x_projected, sketch, anchor):
+    def forward(ctx, x, weight, bias, x_projected, sketch, anchor, state=None):
         y = F.linear(x, weight, bias)
         ctx.save_for_backward(x_projected, weight)
         ctx.sketch = sketch
+        ctx.state = state
         ctx.x_dtype = x.dtype
         return y
 
@@ -102,18 +103,21 @@ class SketchedLinear(torch.autograd.Function):
             # A bf16/fp16 GEMM accumulates in fp32 internally but returns its d×r product rounded to
             # 16 bits; products of microbatches are then summed in fp32.
             ctx.sketch.add_(g.t() @ xp)
+            if ctx.state is not None:  # the sketch now carries 16-bit rounding noise (see updates.py)
+                ctx.state.sketch_product_dtype = g.dtype
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
             grad_x = (grad_output @ weight.to(grad_output.dtype)).to(ctx.x_dtype)
         if ctx.needs_input_grad[2]:
             grad_bias = g.sum(0)
-        return grad_x, None, grad_bias, None, None, None
+        return grad_x, None, grad_bias, None, None, None, None
 
 
-def sketched_linear(x, weight, bias, projection: SharedProjection, sketch) -> torch.Tensor:
+def sketched_linear(x, weight, bias, projection: SharedProjection, sketch, state=None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` that sketches ``gᵀ (x Aᵀ)`` in backward; ``x Aᵀ`` is computed
-    in the dtype of the main product (autocast applies to both), with ``A`` generated for it."""
-    return SketchedLinear.apply(x, weight, bias, projection.project(x), sketch, GRAPH_ANCHOR)
+    in the dtype of the main product (autocast applies to both), with ``A`` generated for it.
+    ``state`` (the target's ``TargetState``) records a 16-bit product as ``sketch_product_dtype``."""
+    return SketchedLinear.apply(x, weight, bias, projection.project(x), sketch, GRAPH_ANCHOR, state)
 
 
 class SketchBank:

@@ -58,7 +58,14 @@ def rowadam_direction(
     return direction * scale, v_new
 
 
-def orthogonal_direction(numerator: torch.Tensor, experts: int = 1) -> torch.Tensor:
+# The relative singular-value floor of orthogonal directions: for sketches summed from fp32 products,
+# and for sketches with any 16-bit product in them, whose rounding noise (about 1e-3 of the signal's
+# singular values, measured on a 2-token sketch) the lower floor would raise to unit size.
+POLAR_FLOOR = 1e-5
+POLAR_FLOOR_16BIT = 1e-2
+
+
+def orthogonal_direction(numerator: torch.Tensor, experts: int = 1, floor: float = POLAR_FLOOR) -> torch.Tensor:
     """The polar factor ``U = N (NᵀN)^-½`` of a ``d×r`` direction ``N``: its singular values set to
     1, its singular vectors kept (directions along which ``N`` is 0 stay 0). For stacked experts
     (``N`` is ``E·d × r``, expert by expert) the polar factor of each expert's block: every expert is
@@ -69,14 +76,16 @@ def orthogonal_direction(numerator: torch.Tensor, experts: int = 1) -> torch.Ten
     as Muon does for full gradients, spends the step evenly over the subspace the sketch (or its
     first moment) found; with ``A``'s rows nearly orthonormal, ``U A`` then has nearly equal
     singular values too. Computed from the ``r×r`` Gram matrix in float64 (cheap for ``r ≪ d``);
-    a singular value ``σ`` below ``1e-5`` of the largest becomes ``σ / (1e-5 σ_max) < 1`` instead of
-    1, so noise in a (nearly) rank-deficient ``N`` is not blown up to unit size.
+    a singular value ``σ`` below ``floor`` of the largest becomes ``σ / (floor · σ_max) < 1`` instead
+    of 1, so noise in a (nearly) rank-deficient ``N`` is not blown up to unit size: ``floor`` must
+    lie above the rounding noise of the products ``N`` was summed from (:data:`POLAR_FLOOR_16BIT`
+    for bf16/fp16 ones).
     """
     x = numerator.double().reshape(experts, -1, numerator.shape[-1])
     values, vectors = torch.linalg.eigh(x.mT @ x)
-    # σ² of (1e-5 σ_max)² per block: smaller σ become σ / (1e-5 σ_max).
-    floor = values.amax(dim=-1, keepdim=True).clamp_min(1e-300) * 1e-10
-    inverse_sqrt = (vectors * values.clamp_min(floor).rsqrt().unsqueeze(-2)) @ vectors.mT
+    # σ² of (floor σ_max)² per block: smaller σ become σ / (floor σ_max).
+    smallest = values.amax(dim=-1, keepdim=True).clamp_min(1e-300) * floor**2
+    inverse_sqrt = (vectors * values.clamp_min(smallest).rsqrt().unsqueeze(-2)) @ vectors.mT
     return (x @ inverse_sqrt).reshape(numerator.shape).to(numerator.dtype)
 
 
@@ -137,11 +146,13 @@ def next_direction(
     eps: float = 1e-8,
     beta1: float = 0.0,
     experts: int = 1,
+    floor: float = POLAR_FLOOR,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``U`` of one target (``kind`` ``"rowadam"``, ``"orthogonal"`` or ``"sgd"``) and the state it would commit, from
     its optimizer ``state`` (empty before its first update); with ``beta1 > 0`` the direction is
     built from the first moment (:func:`first_moment`) instead of the sketch; ``experts``: the
-    target's stacked experts (their rows, in order, in the sketch). Nothing is mutated, so
+    target's stacked experts (their rows, in order, in the sketch); ``floor``: the orthogonal
+    direction's (:func:`orthogonal_direction`). Nothing is mutated, so
     that an update rejected later (probe, realised KL) leaves the state as it was."""
     step = state.get("step", torch.tensor(0.0)) + 1
     new_state = {"step": step}
@@ -155,7 +166,7 @@ def next_direction(
         # U may alias the sketch: safe because every use (η, probe, merge) precedes zeroing it.
         return (sketch if numerator is None else numerator), new_state
     if kind == "orthogonal":
-        return orthogonal_direction(sketch if numerator is None else numerator, experts), new_state
+        return orthogonal_direction(sketch if numerator is None else numerator, experts, floor), new_state
     moment = state.get("row_second_moment")
     if moment is None:
         moment = torch.zeros(sketch.shape[0], dtype=torch.float32, device=sketch.device)

@@ -662,6 +662,30 @@ def test_the_default_direction_is_the_polar_factor_of_the_first_moment():
             assert set(opt.state[module.weight]) == {"step", "first_moment"}
 
 
+def test_a_16bit_sketch_keeps_its_rounding_noise_small_in_the_orthogonal_direction():
+    """Two tokens make a rank-2 sketch; under bf16 autocast its other directions are rounding noise
+    at about 1e-3 of the signal. The backward records the 16-bit product, the default direction then
+    keeps those directions at about a tenth of the two signal directions or less (the fp32 floor would
+    raise them to unit size), and clearing the sketches clears the record."""
+    model, opt = two_linear(rank=6, kl_budget=None, update_ratio=1e-3, wire_dtype=None, beta1=0.0)
+    factors = []
+    opt.register_merge_hook(lambda _, update: factors.append([t.factor.double() for t in update.targets]))
+    generator = torch.Generator().manual_seed(0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        backward_random(model, generator, rows=2)
+    assert all(t.state.sketch_product_dtype == torch.bfloat16 for t in opt.targets)
+    sketches = [t.state.sketch.double().clone() for t in opt.targets]
+    opt.step()
+    for sketch, factor in zip(sketches, factors[0]):
+        noise = torch.linalg.svdvals(sketch)
+        assert noise[2] > 1e-5 * noise[0]  # above the fp32 floor: without the record it would be 1
+        singular = torch.linalg.svdvals(factor)
+        assert singular[1] > 0.99 * singular[0] and singular[2] < 0.2 * singular[0], singular
+    assert all(t.state.sketch_product_dtype is None for t in opt.targets)
+    backward_random(model, generator, rows=2)  # fp32: nothing recorded
+    assert all(t.state.sketch_product_dtype is None for t in opt.targets)
+
+
 def test_a_rowadam_checkpoint_resumes_with_rowadam_under_the_orthogonal_default():
     """The direction is part of the param group: a checkpoint saved with ``direction="rowadam"``
     (the former default) continues as RowAdam in an optimizer built with today's default, bit for
