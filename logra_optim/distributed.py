@@ -387,13 +387,16 @@ class DataParallel:
         fingerprint_of: ProjectionFingerprint,
         sharded_sq: Sequence[float],
         finite: bool,
-    ) -> tuple[bool, list[float]]:
+        sixteen_bit: bool = False,
+    ) -> tuple[bool, list[float], bool]:
         """Average ``buffers`` over the ranks, then one all-gather of ``[fingerprint, non-finite flag,
-        *sharded ‖W_i‖²]``: returns (finite on every rank, each sharded weight's ``‖W_i‖²``)."""
+        16-bit flag, *sharded ‖W_i‖²]``: returns (finite on every rank, each sharded weight's
+        ``‖W_i‖²``, a 16-bit product on some rank: every rank then takes the same floor)."""
         average_(buffers, self.group)
-        gathered = gather_([fingerprint_of.value(), 0.0 if finite else 1.0, *sharded_sq], self.group, self.device)
+        values = [fingerprint_of.value(), 0.0 if finite else 1.0, 1.0 if sixteen_bit else 0.0, *sharded_sq]
+        gathered = gather_(values, self.group, self.device)
         self.check(fingerprint_of, gathered[:, 0])
-        return bool(gathered[:, 1].sum() == 0), gathered[:, 2:].sum(0).tolist()
+        return bool(gathered[:, 1].sum() == 0), gathered[:, 3:].sum(0).tolist(), bool(gathered[:, 2].sum() > 0)
 
     def check(self, fingerprint_of: ProjectionFingerprint, gathered: torch.Tensor | None = None) -> None:
         """Fail loudly on every rank if the ranks' projections differ (seeds, update index, targets)."""

@@ -282,6 +282,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         for target, sketch in zip(targets, self._bank.views):
             target.state.sketch = sketch
             target.state.owner = weakref.ref(self)
+            target.state.sketched_in_16_bit = False
+        # Raised for good once 16-bit products reach the sketches: the first moment keeps their noise.
+        self.polar_floor = POLAR_FLOOR
         self._bind_projections()
         if self._ranks is not None:
             self._ranks.check(self._fingerprint())
@@ -403,7 +406,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
     def _clear_sketches(self) -> None:
         self._bank.zero_()
         for target in self._targets:
-            target.state.sketch_product_dtype = None
+            target.state.sketched_in_16_bit = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the sketches (and the non-target optimizer's gradients)."""
@@ -431,7 +434,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         # A forward outside backward (evaluation, generation) can leave FSDP2's root unsharded; the
         # merge writes into the shards, which the next forward must gather again.
         dp.reshard(self._fsdp2)
-        finite, sharded_sq = self._synchronise()
+        finite, sharded_sq, sixteen_bit = self._synchronise()
+        if sixteen_bit:
+            self.polar_floor = POLAR_FLOOR_16BIT
         if not finite:
             self.nonfinite_skips += 1
             self._skip(
@@ -524,7 +529,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 group["eps"],
                 group["beta1"],
                 target.state.experts,
-                POLAR_FLOOR if target.state.sketch_product_dtype is None else POLAR_FLOOR_16BIT,
+                self.polar_floor,
             )
             steps.append(TargetStep(index, direction, state, eta=group["lr"]))
         if group["lr_mode"] == "update_ratio":
@@ -671,18 +676,20 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             tuple(dp.projection_identity(t.state.shared_projection.spec) for t in self._targets),
         )
 
-    def _synchronise(self) -> tuple[bool, list[float] | None]:
+    def _synchronise(self) -> tuple[bool, list[float] | None, bool]:
         """(every rank's sketches and non-target gradients are finite, each sharded weight's ``‖W_i‖²``
-        or ``None`` in one process), averaging the sketches over the ranks on the way."""
+        or ``None`` in one process, a 16-bit product went into a sketch on some rank), averaging the
+        sketches over the ranks on the way."""
+        sixteen_bit = any(t.state.sketched_in_16_bit for t in self._targets)
         if self._ranks is None:
-            return self._bank.all_finite() and self._local_all_finite(), None
+            return self._bank.all_finite() and self._local_all_finite(), None, sixteen_bit
         sharded = (
             _floats([w.sq_norm() for w in self._weights if w.sharded])
             if self.param_groups[0]["lr_mode"] == "update_ratio"
             else []
         )
         return self._ranks.synchronise(
-            self._bank.flat_buffers(), self._fingerprint(), sharded, self._local_all_finite()
+            self._bank.flat_buffers(), self._fingerprint(), sharded, self._local_all_finite(), sixteen_bit
         )
 
     def _local_all_finite(self) -> bool:
@@ -725,6 +732,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             "mismatch": self.mismatch,
             "nonfinite_skips": self.nonfinite_skips,
             "probe_skips": self.probe_skips,
+            "polar_floor": self.polar_floor,
         }
         if self.non_target_optimizer is not None:
             state["non_target"] = self.non_target_optimizer.state_dict()
@@ -772,6 +780,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self.kl_control.mismatch = float(logra["mismatch"])
         self.nonfinite_skips = int(logra["nonfinite_skips"])
         self.probe_skips = int(logra["probe_skips"])
+        self.polar_floor = float(logra.get("polar_floor", POLAR_FLOOR))
         self._clear_sketches()
         self._bind_projections()
         if self._ranks is not None:

@@ -76,9 +76,9 @@ class TargetState:
     # The dtype the latest probe forward computed this layer in (its input's): under FSDP2's
     # MixedPrecisionPolicy it is bf16 although the stored weight is fp32.
     probe_compute_dtype: torch.dtype | None = None
-    # Set by a backward whose sketch product was 16-bit (autocast, bf16 weights) since the sketch
-    # was last cleared: orthogonal directions then use a floor above that rounding noise.
-    sketch_product_dtype: torch.dtype | None = None
+    # Set by a backward whose sketch product was bf16/fp16 (autocast, bf16 weights, FSDP2's bf16
+    # compute) since the sketch was last cleared; the optimizer then raises its orthogonal floor.
+    sketched_in_16_bit: bool = False
 
     @property
     def bound(self) -> bool:

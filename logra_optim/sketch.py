@@ -103,8 +103,8 @@ class SketchedLinear(torch.autograd.Function):
             # A bf16/fp16 GEMM accumulates in fp32 internally but returns its d×r product rounded to
             # 16 bits; products of microbatches are then summed in fp32.
             ctx.sketch.add_(g.t() @ xp)
-            if ctx.state is not None:  # the sketch now carries 16-bit rounding noise (see updates.py)
-                ctx.state.sketch_product_dtype = g.dtype
+            if ctx.state is not None and g.dtype in (torch.bfloat16, torch.float16):
+                ctx.state.sketched_in_16_bit = True  # its rounding noise: see updates.POLAR_FLOOR_16BIT
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
             grad_x = (grad_output @ weight.to(grad_output.dtype)).to(ctx.x_dtype)
@@ -116,7 +116,7 @@ class SketchedLinear(torch.autograd.Function):
 def sketched_linear(x, weight, bias, projection: SharedProjection, sketch, state=None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` that sketches ``gᵀ (x Aᵀ)`` in backward; ``x Aᵀ`` is computed
     in the dtype of the main product (autocast applies to both), with ``A`` generated for it.
-    ``state`` (the target's ``TargetState``) records a 16-bit product as ``sketch_product_dtype``."""
+    ``state`` (the target's ``TargetState``) records a 16-bit product (``sketched_in_16_bit``)."""
     return SketchedLinear.apply(x, weight, bias, projection.project(x), sketch, GRAPH_ANCHOR, state)
 
 

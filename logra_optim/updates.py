@@ -58,9 +58,9 @@ def rowadam_direction(
     return direction * scale, v_new
 
 
-# The relative singular-value floor of orthogonal directions: for sketches summed from fp32 products,
-# and for sketches with any 16-bit product in them, whose rounding noise (about 1e-3 of the signal's
-# singular values, measured on a 2-token sketch) the lower floor would raise to unit size.
+# Relative singular-value floors of orthogonal directions. fp32 products: 1e-5. Once bf16/fp16
+# products have gone into the sketches: 1e-2, above their rounding noise (about 1e-3 of the signal
+# in a 2-token sketch), which 1e-5 would raise to unit size.
 POLAR_FLOOR = 1e-5
 POLAR_FLOOR_16BIT = 1e-2
 

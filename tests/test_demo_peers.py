@@ -229,7 +229,9 @@ def test_demo_worker_runs_logra_with_the_direction_asked_for(warm_settings, monk
     calls = []
     original = updates.orthogonal_direction
     monkeypatch.setattr(
-        updates, "orthogonal_direction", lambda n, experts=1: calls.append(n.shape) or original(n, experts)
+        updates,
+        "orthogonal_direction",
+        lambda n, experts=1, floor=updates.POLAR_FLOOR: calls.append(n.shape) or original(n, experts, floor),
     )
     record, seen = run_observed(monkeypatch, asdict(warm_settings) | {"direction": "orthogonal"}, "logra")
     optimizer = seen["trainer"].optimizer.optimizer

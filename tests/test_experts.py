@@ -26,7 +26,7 @@ from logra_optim.patching import target_state
 from logra_optim.projection import ProjectionSpec
 from logra_optim.sketch import SharedProjection
 from logra_optim.probe import contexts_from_batch, jvp_predicted_kl
-from logra_optim.updates import merge_transposed_experts_
+from logra_optim.updates import POLAR_FLOOR, POLAR_FLOOR_16BIT, merge_transposed_experts_
 from tests.helpers.reference import U16, kl_divergence, merged
 from tests.helpers.tiny import fixed_batch, tiny_gpt_oss, tiny_qwen3_moe
 
@@ -301,7 +301,10 @@ def test_optimizer_trains_every_routed_expert_and_leaves_unrouted_ones_untouched
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32"):
         loss = model(**fixed_batch(batch=4, seq=12)).loss
     loss.backward()
+    # The experts' backward records a 16-bit product exactly when one went into their sketch rows.
+    assert all(t.state.sketched_in_16_bit == (precision != "fp32") for t in experts)
     optimizer.step()
+    assert optimizer.polar_floor == (POLAR_FLOOR if precision == "fp32" else POLAR_FLOOR_16BIT)
     assert optimizer.stats["update_index"] == 1
     for target in experts:
         weight, old = target.weight.detach(), before[target.name]

@@ -22,7 +22,8 @@ from tests.helpers import reference
 from tests.helpers.optim import assert_same_state, backward_random, snapshot, two_linear
 from tests.helpers.recorders import OutputShapes
 from tests.helpers.reference import U16, U32
-from tests.helpers.tiny import OneLinear, fixed_batch, sketches, tiny_qwen2
+from tests.helpers.tiny import OneLinear, TwoLinear, fixed_batch, sketches, tiny_qwen2
+from logra_optim.updates import POLAR_FLOOR, POLAR_FLOOR_16BIT
 from logra_optim.patching import target_state
 from logra_optim.projection import projection_key
 
@@ -664,16 +665,17 @@ def test_the_default_direction_is_the_polar_factor_of_the_first_moment():
 
 def test_a_16bit_sketch_keeps_its_rounding_noise_small_in_the_orthogonal_direction():
     """Two tokens make a rank-2 sketch; under bf16 autocast its other directions are rounding noise
-    at about 1e-3 of the signal. The backward records the 16-bit product, the default direction then
-    keeps those directions at about a tenth of the two signal directions or less (the fp32 floor would
-    raise them to unit size), and clearing the sketches clears the record."""
+    at about 1e-3 of the signal. The backward records the 16-bit product, and the optimizer raises its
+    floor for good (the first moment keeps that noise; checkpointed): those directions then keep
+    about a tenth of the two signal directions' weight or less, where the fp32 floor would raise them
+    to unit size. An fp32 or float64 backward records nothing."""
     model, opt = two_linear(rank=6, kl_budget=None, update_ratio=1e-3, wire_dtype=None, beta1=0.0)
     factors = []
     opt.register_merge_hook(lambda _, update: factors.append([t.factor.double() for t in update.targets]))
     generator = torch.Generator().manual_seed(0)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         backward_random(model, generator, rows=2)
-    assert all(t.state.sketch_product_dtype == torch.bfloat16 for t in opt.targets)
+    assert all(t.state.sketched_in_16_bit for t in opt.targets) and opt.polar_floor == POLAR_FLOOR
     sketches = [t.state.sketch.double().clone() for t in opt.targets]
     opt.step()
     for sketch, factor in zip(sketches, factors[0]):
@@ -681,9 +683,22 @@ def test_a_16bit_sketch_keeps_its_rounding_noise_small_in_the_orthogonal_directi
         assert noise[2] > 1e-5 * noise[0]  # above the fp32 floor: without the record it would be 1
         singular = torch.linalg.svdvals(factor)
         assert singular[1] > 0.99 * singular[0] and singular[2] < 0.2 * singular[0], singular
-    assert all(t.state.sketch_product_dtype is None for t in opt.targets)
-    backward_random(model, generator, rows=2)  # fp32: nothing recorded
-    assert all(t.state.sketch_product_dtype is None for t in opt.targets)
+    assert not any(t.state.sketched_in_16_bit for t in opt.targets)  # cleared with the sketches
+    assert opt.polar_floor == POLAR_FLOOR_16BIT and opt.state_dict()["logra"]["polar_floor"] == POLAR_FLOOR_16BIT
+    backward_random(model, generator, rows=2)  # fp32: nothing recorded, the floor stays raised
+    assert not any(t.state.sketched_in_16_bit for t in opt.targets)
+    opt.step()
+    assert opt.polar_floor == POLAR_FLOOR_16BIT
+    _, fresh = two_linear(rank=6, kl_budget=None, update_ratio=1e-3)
+    fresh.load_state_dict(opt.state_dict())
+    assert fresh.polar_floor == POLAR_FLOOR_16BIT
+
+    double = patch_model(TwoLinear().double(), target_modules=["up", "down"])
+    double_opt = LoGRAOptimizer(double, rank=4, update_ratio=1e-3)
+    (double(torch.randn(3, 12, dtype=torch.float64)) * torch.randn(3, 7, dtype=torch.float64)).sum().backward()
+    assert not any(t.state.sketched_in_16_bit for t in double_opt.targets)
+    double_opt.step()
+    assert double_opt.polar_floor == POLAR_FLOOR
 
 
 def test_a_rowadam_checkpoint_resumes_with_rowadam_under_the_orthogonal_default():
