@@ -328,59 +328,18 @@ def test_bench_on_the_tiny_preset(tmp_path):
     assert (tmp_path / "bench.png").read_bytes()[:8] == PNG_MAGIC
 
     config = write_config(tmp_path / "model", bench_preset("tiny"))
-    plan = run_cli(
-        "plan",
-        str(config),
-        "--dtype",
-        "fp32",
-        "--batch",
-        "2",
-        "--seq",
-        "64",
-        "--rank",
-        "8",
-        "--no-checkpointing",
-        "--measured",
-        str(tmp_path / "bench.json"),
-    )
+
+    def plan_against_the_bench(*options: str):
+        common = ("--dtype", "fp32", "--batch", "2", "--seq", "64", "--no-checkpointing")
+        return run_cli("plan", str(config), *common, *options, "--measured", str(tmp_path / "bench.json"))
+
+    plan = plan_against_the_bench("--rank", "8")
     assert plan.returncode == 0, plan.stderr
     assert "measured peak" in plan.stdout and "predicted / measured" in plan.stdout
     assert "no logra-orthogonal row" not in plan.stdout  # the bench ran the default direction
-    rowadam_plan = run_cli(
-        "plan",
-        str(config),
-        "--dtype",
-        "fp32",
-        "--batch",
-        "2",
-        "--seq",
-        "64",
-        "--rank",
-        "4",
-        "--direction",
-        "rowadam",
-        "--no-checkpointing",
-        "--measured",
-        str(tmp_path / "bench.json"),
-    )
+    rowadam_plan = plan_against_the_bench("--rank", "4", "--direction", "rowadam")
     assert "no logra-rowadam row at rank 4" not in rowadam_plan.stdout  # --ranks 4 ran RowAdam
-    sgd_plan = run_cli(
-        "plan",
-        str(config),
-        "--dtype",
-        "fp32",
-        "--batch",
-        "2",
-        "--seq",
-        "64",
-        "--rank",
-        "4",
-        "--direction",
-        "sgd",
-        "--no-checkpointing",
-        "--measured",
-        str(tmp_path / "bench.json"),
-    )
+    sgd_plan = plan_against_the_bench("--rank", "4", "--direction", "sgd")
     assert "no logra-sgd row at rank 4" in sgd_plan.stdout
 
 
