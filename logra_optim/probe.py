@@ -25,6 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .attention import AttentionTangentMode
 from .kl import exact_kl_terms, fisher_kl_terms
 from .sketch import SharedProjection
+from .tangents import ElementwiseTangentMode
 
 LogitsFn = Callable[[nn.Module, "ProbeContexts"], torch.Tensor]
 
@@ -445,6 +446,7 @@ def jvp_predicted_kl(
         _probe_targets(targets, factors, "tangent", products),
         _frozen_linears_with_tangents(model, products),
         AttentionTangentMode(),
+        ElementwiseTangentMode(),
     ):
         if split is not None:
             terms = _chunked_head_kl_terms(*split, contexts, products)

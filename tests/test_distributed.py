@@ -205,6 +205,26 @@ def test_row_shards_merge_and_norm_to_the_dense_values(d, k, r, world, seed):
     assert partial == pytest.approx(float(want.square().sum()), rel=1e-12)
 
 
+@given(
+    d=st.integers(1, 40),
+    k=st.integers(1, 40),
+    dtype=st.sampled_from([torch.float64, torch.float32, torch.bfloat16]),
+    transposed=st.booleans(),
+    seed=st.integers(0, 99),
+)
+def test_local_sq_norm_is_the_sum_of_squares(d, k, dtype, transposed, seed):
+    """``Σw²`` of a weight, against float64 of the same stored values: a dot product for contiguous
+    fp32/fp64 data, ``vector_norm`` for other dtypes and for non-contiguous data (a transposed view)."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(d, k, generator=generator, dtype=torch.float64) * 3.0 + 0.5).to(dtype)
+    if transposed:
+        weight = weight.t()
+    got = dp.local_sq_norm(weight, dp.weight_layout("w", weight))
+    assert got.dtype == torch.float64 and got.dim() == 0
+    exact = float(weight.double().square().sum())
+    assert float(got) == pytest.approx(exact, rel=1e-12 if dtype == torch.float64 else 1e-5)
+
+
 def test_merge_flat_partition_rejects_a_partition_outside_the_weight():
     with pytest.raises(ValueError, match="outside"):
         dp.merge_flat_partition_(torch.zeros(4), 10, torch.zeros(3, 1), torch.zeros(1, 4))

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from logra_optim import LoGRAOptimizer, attention, control, patch_model, probe
+from logra_optim import LoGRAOptimizer, attention, control, patch_model, probe, tangents
 from tests.helpers.recorders import OutputShapes
 from logra_optim.probe import (
     ProbeContexts,
@@ -210,6 +210,27 @@ def test_the_jvp_probe_computes_sdpa_attention_in_closed_form(fitted_model, monk
     q_op_by_op, _, _ = jvp_predicted_kl(model, targets, factors, contexts)
     assert len(calls) == model.config.num_hidden_layers
     assert float(q_closed) == pytest.approx(float(q_op_by_op), rel=1e-5)
+
+
+def test_the_jvp_probe_takes_elementwise_tangents_directly(fitted_model, monkeypatch):
+    """The probe's elementwise ops with one plain operand (RMSNorm weights, rotary tables, ``+ eps``)
+    go through ``logra_optim.tangents``, and the prediction equals torch's forward AD alone."""
+    model, opt, targets, factors, contexts = _sketched_probe_inputs(fitted_model, direction="sgd")
+    calls = []
+    direct = tangents.binary_with_plain_operand
+
+    def counted(*args):
+        result = direct(*args)
+        calls.append(result is not None)
+        return result
+
+    monkeypatch.setattr(tangents, "binary_with_plain_operand", counted)
+    q_direct, _, _ = jvp_predicted_kl(model, targets, factors, contexts)
+    assert sum(calls) >= 4 * model.config.num_hidden_layers  # two norms and rotary q, k per layer at least
+    monkeypatch.setattr(probe, "ElementwiseTangentMode", contextlib.nullcontext)
+    q_torch, _, _ = jvp_predicted_kl(model, targets, factors, contexts)
+    assert float(q_direct) > 0
+    assert float(q_direct) == pytest.approx(float(q_torch), rel=1e-6)
 
 
 def test_chunked_lm_head_probe_equals_the_full_logits_probe(fitted_model, monkeypatch):
