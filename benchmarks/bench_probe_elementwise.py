@@ -93,7 +93,8 @@ def main() -> None:
         f"\nthe demo's medium policy, rank 32, fp32, {args.threads} threads, {args.repeats} alternating probes each\n"
     )
     print(
-        "| probe contexts | calls taken | with the mode (median / fastest) | torch alone (median / fastest) | saved (median) | q agrees to |"
+        "| probe contexts | calls taken | with the mode (median / fastest) | torch alone (median / fastest) "
+        "| saved (median) | q agrees to |"
     )
     print("|---|---:|---:|---:|---:|---:|")
     for row in rows:
