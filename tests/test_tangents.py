@@ -8,11 +8,13 @@ from __future__ import annotations
 import contextlib
 import operator
 
+import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from logra_optim import tangents
 from logra_optim.tangents import ElementwiseTangentMode, binary_with_plain_operand
 
 # Each call as the model would write it: ``(name, call(a, b))``.
@@ -29,6 +31,17 @@ CALLS = {
     "torch.div": torch.div,
 }
 SHAPES = {"same": ((3, 5), (3, 5)), "row": ((3, 5), (5,)), "column": ((3, 5), (3, 1)), "grown": ((5,), (3, 5))}
+
+
+@contextlib.contextmanager
+def _spying(replacement):
+    """``tangents.binary_with_plain_operand`` replaced for the duration (the mode looks it up by name)."""
+    direct = tangents.binary_with_plain_operand
+    tangents.binary_with_plain_operand = replacement
+    try:
+        yield
+    finally:
+        tangents.binary_with_plain_operand = direct
 
 
 def _evaluate(call, a, b, a_tangent, b_tangent, mode):
@@ -68,7 +81,14 @@ def test_one_plain_operand_matches_torch_forward_ad(name, shapes, dual, plain, d
     if isinstance(a, float) and not name.startswith("a "):
         a = torch.tensor(a, dtype=dtype)  # a method or torch.* function takes a tensor first
     expected = _evaluate(call, a, b, a_tangent, b_tangent, mode=False)
-    got = _evaluate(call, a, b, a_tangent, b_tangent, mode=True)
+    taken = []
+    direct = tangents.binary_with_plain_operand
+    with _spying(lambda *args: taken.append(direct(*args)) or taken[-1]):
+        got = _evaluate(call, a, b, a_tangent, b_tangent, mode=True)
+    divisor_is_dual = name in ("a / b", "torch.div") and dual == "second"
+    # The mode computed the call itself, except a division by a dual, which it leaves to torch.
+    computed = [result is not None for result in taken]
+    assert not any(computed) if divisor_is_dual else computed == [True]
     torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
     assert got[1] is not None and got[1].shape == expected[1].shape and got[1].dtype == expected[1].dtype
     torch.testing.assert_close(got[1], expected[1], rtol=1e-15 if dtype == torch.float64 else 1e-6, atol=0)
@@ -104,3 +124,41 @@ def test_calls_left_to_torch():
         torch.testing.assert_close(quotient.primal, x / y)
         torch.testing.assert_close(quotient.tangent, -x / y**2)
         torch.testing.assert_close(fwAD.unpack_dual(floored).primal, torch.div(x, y, rounding_mode="floor"))
+
+
+@pytest.mark.parametrize(
+    "dual_dtype, plain",
+    [
+        (torch.bfloat16, torch.rand(3, 4) + 0.5),  # promoted to the plain operand's fp32
+        (torch.float32, (torch.rand(3, 4) + 0.5).bfloat16()),  # the plain operand promoted
+        (torch.float32, torch.tensor(1.5, dtype=torch.float64)),  # a 0-d tensor does not promote
+        (torch.float32, torch.arange(1, 5)),  # integers
+        (torch.float32, torch.tensor([True, False, True, True])),  # booleans
+        (torch.float32, (torch.rand(4, 3) + 0.5).t()),  # a non-contiguous operand
+    ],
+)
+def test_mixed_dtypes_and_layouts_match_torch_forward_ad(dual_dtype, plain):
+    x = torch.randn(3, 4).to(dual_dtype)
+    t = torch.randn(3, 4).to(dual_dtype)
+    for call in (operator.mul, operator.add, operator.sub, lambda a, b: b - a, operator.truediv):
+        if plain.dtype == torch.bool and call not in (operator.mul, operator.add):
+            continue  # torch refuses to subtract booleans
+        expected = _evaluate(call, x, plain, t, None, mode=False)
+        got = _evaluate(call, x, plain, t, None, mode=True)
+        assert got[0].dtype == expected[0].dtype and got[1].dtype == expected[1].dtype
+        torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
+        torch.testing.assert_close(got[1], expected[1])
+
+
+def test_the_result_does_not_share_its_tangent_with_an_operand():
+    """``y = x + c`` has ``ẏ = ẋ``, as values; an in-place op on either afterwards (model code that
+    updates activations in place) must not change the other's tangent, as under torch's own AD."""
+    with fwAD.dual_level(), torch.no_grad(), ElementwiseTangentMode():
+        x = fwAD.make_dual(torch.randn(5), torch.ones(5))
+        y = x + 1.0
+        z = 2.0 - x  # rsub: ż = −ẋ is a new tensor already
+        y.mul_(3.0)
+        x.mul_(2.0)
+        assert torch.equal(fwAD.unpack_dual(x).tangent, torch.full((5,), 2.0))
+        assert torch.equal(fwAD.unpack_dual(y).tangent, torch.full((5,), 3.0))
+        assert torch.equal(fwAD.unpack_dual(z).tangent, torch.full((5,), -1.0))
