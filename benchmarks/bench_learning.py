@@ -346,7 +346,8 @@ def markdown(report: dict) -> str:
         f"GRPO, {report['settings']['steps']} updates per run, seeds {report['settings']['seeds']}, rank "
         f"{report['settings']['rank']}; each method at its best (highest mean sampled-reward AUC) of an equal "
         f"sweep of {report['settings']['sweep_size']} values. KL/update: the realised KL of an update on 8 "
-        "sequences of its batch (the median over the run, mean over seeds), measured alike for every method.",
+        "sequences of its batch that LoGRA's probe does not read (the median over the run, mean over seeds), "
+        "measured alike for every method.",
     ]
     for task, result in report["tasks"].items():
         lines += ["", f"## {task}", "", "| " + " | ".join(HEADERS) + " |", "|---" * len(HEADERS) + "|"]

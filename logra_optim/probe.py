@@ -46,6 +46,13 @@ class ProbeContexts:
     def tokens(self) -> int:
         return int(self.probe_mask.sum())
 
+    def select(self, rows: torch.Tensor, probe_mask: torch.Tensor | None = None) -> ProbeContexts:
+        """The contexts of sequences ``rows`` (a row index or boolean mask), with their rows of
+        ``probe_mask`` if given (same shape as this one's) instead of their own."""
+        mask = self.probe_mask if probe_mask is None else probe_mask
+        attention_mask = None if self.attention_mask is None else self.attention_mask[rows]
+        return ProbeContexts(self.input_ids[rows], attention_mask, mask[rows], self.temperature)
+
 
 def contexts_from_batch(
     input_ids: torch.Tensor,
@@ -115,19 +122,17 @@ def subsample_positions(contexts: ProbeContexts, limit: int | None, seed: int) -
     kept = torch.zeros_like(mask).flatten()
     kept[positions[order[:limit].to(positions.device)]] = True
     kept = kept.view_as(mask)
-    rows = kept.any(dim=1)
-    attention_mask = None if contexts.attention_mask is None else contexts.attention_mask[rows]
-    return ProbeContexts(contexts.input_ids[rows], attention_mask, kept[rows], contexts.temperature)
+    return contexts.select(kept.any(dim=1), kept)
 
 
 class ContextRecorder:
-    """Keeps ``samples`` sequences (spread over the batch) of the most recent training forward of a model.
+    """Keeps ``samples`` sequences (spread over the batch; ``None``: all) of a model's latest training forward.
 
     A forward pre-hook sees the batch (``input_ids``, ``attention_mask``, ``labels``) of every
     forward in train mode with grad enabled, so the two-line usage needs no extra call.
     """
 
-    def __init__(self, model: nn.Module, samples: int, temperature: float):
+    def __init__(self, model: nn.Module, samples: int | None, temperature: float):
         self.samples = samples
         self.temperature = temperature
         self.latest: ProbeContexts | None = None

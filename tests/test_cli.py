@@ -256,7 +256,7 @@ def test_a_crashing_worker_is_a_clear_error_naming_it():
 
 def test_quick_demo_learns_and_reports(tmp_path):
     """The README's first command in its short form: all four methods train from one warm start,
-    every LoGRA update moves the policy by its KL budget (or less, where ``alpha_max`` binds), greedy
+    LoGRA's predicted KL per update holds on sequences its probe did not read, greedy
     evaluations during RL are recorded, and table, JSON and plots exist. Whether a method learns is
     not asserted here: 60 updates of the tiny policy do not separate learning from noise (over six
     seeds LoGRA's greedy reward went from 0.550 to 0.551 ± 0.10), so the test runs 20 (of --quick's
@@ -293,11 +293,12 @@ def test_quick_demo_learns_and_reports(tmp_path):
     assert all(math.isfinite(q) and q >= 0.0 for q in predictions)
     assert sum(q > 0.0 for q in predictions) >= len(predictions) // 2
     assert all(tokens > 0 for tokens in stats["logra/probe_tokens"])
-    # The meter measures on the contexts LoGRA probes (8 sequences spread over the batch): where
-    # LoGRA predicted a step, the realised KL is that prediction, to the quadratic model's accuracy.
+    # The meter measures on 8 sequences of the batch that LoGRA's probe did not read: where LoGRA
+    # predicted a step, the prediction holds on them too, within a factor 2 in the median (on the
+    # probed sequences themselves it would hold by construction; 1.2 measured here).
     pairs = [(r, p) for r, p in zip(runs["logra"]["kl_per_update"], stats["logra/predicted_step_kl"]) if p > 0]
     assert len(pairs) >= 10
-    assert 0.7 <= statistics.median(r / p for r, p in pairs) <= 1.3
+    assert 0.5 <= statistics.median(r / p for r, p in pairs) <= 2.0
     for image in ("reward.png", "memory.png"):
         assert (tmp_path / image).read_bytes()[:8] == PNG_MAGIC
 

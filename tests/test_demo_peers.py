@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import argparse
 import io
+import math
 from dataclasses import asdict
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from logra_optim import find_target_modules
 from logra_optim.cli import demo
+from logra_optim.probe import spread_rows
 from tests.test_cli import usage_error
 
 GALORE_LR, APOLLO_MINI_LR = 3e-3, 5e-4
@@ -140,6 +145,8 @@ def test_summaries_table_and_plots_take_the_peers(tmp_path):
     headers, cells = demo.table_rows(rows)
     assert [cell[0] for cell in cells] == ["dense AdamW", "GaLore", "APOLLO-Mini"]
     assert cells[1][headers.index("memory / AdamW")] == "0.50×"
+    # The KL column: the median over a run's updates and, in brackets, their 95th percentile.
+    assert cells[0][headers.index("KL/update (p95)")] == "2.0e-03 (2.9e-03)"
     assert [path.name for path in demo.plot(records, rows, tmp_path)] == ["reward.png", "memory.png"]
     best = {"knob": "lr", "value": 1e-3, "seeds": [0], "failed_seeds": [], "auc": 0.5, "auc_std": 0.0}
     best |= dict.fromkeys(("final", "greedy_after", "kl_measured", "train_seconds"), 0.5)
@@ -239,3 +246,28 @@ def test_demo_worker_runs_logra_with_the_direction_asked_for(warm_settings, monk
     assert len(calls) == 3 * len(optimizer.targets)  # every target, every one of the 3 updates
     with pytest.raises(ValueError, match="direction must be one of rowadam, orthogonal, sgd"):
         demo.DemoSettings(output="", direction="muon")
+
+
+@given(batch=st.integers(1, 96), probed=st.integers(1, 40), samples=st.integers(1, 12))
+def test_the_kl_meter_reads_rows_the_probe_does_not(batch, probed, samples):
+    """The meter's rows are distinct and in order; they avoid every row LoGRA's probe reads while
+    any is left, take ``samples`` of the rest (all of it if fewer remain), and fall back to the
+    probed rows only when the probe reads the whole batch."""
+    rows = demo.held_out_rows(batch, probed, samples)
+    probed_rows = set(torch.arange(batch)[spread_rows(batch, probed)].tolist())
+    assert torch.equal(rows, rows.unique(sorted=True)) and 0 <= int(rows.min()) and int(rows.max()) < batch
+    remaining = batch - len(probed_rows)
+    if remaining:
+        assert probed_rows.isdisjoint(rows.tolist())
+        assert rows.numel() == min(samples, remaining)
+    else:
+        assert rows.numel() == min(samples, batch)
+
+
+@given(values=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=50))
+def test_the_kl_percentile_is_numpys(values):
+    assert demo.percentile_95(values) == pytest.approx(float(np.percentile(values, 95)), rel=1e-12, abs=1e-15)
+
+
+def test_the_kl_percentile_of_a_run_with_a_missing_value_is_nan():
+    assert math.isnan(demo.percentile_95([1e-3, math.nan, 2e-3]))

@@ -52,6 +52,19 @@ def test_spread_rows_take_one_row_per_group_before_a_second(groups, group_size, 
     assert (rows // group_size).unique().numel() == min(samples, groups)
 
 
+def test_contexts_select_rows_with_their_masks():
+    input_ids = torch.arange(12).view(4, 3)
+    attention_mask = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 0, 1], [1, 1, 1]])
+    contexts = contexts_from_batch(input_ids, attention_mask, temperature=0.5)
+    picked = contexts.select(torch.tensor([1, 3]))
+    assert picked.input_ids.tolist() == [[3, 4, 5], [9, 10, 11]]
+    assert torch.equal(picked.attention_mask, attention_mask[[1, 3]])
+    assert torch.equal(picked.probe_mask, contexts.probe_mask[[1, 3]]) and picked.temperature == 0.5
+    replaced = torch.zeros_like(contexts.probe_mask)
+    replaced[2, 1] = True
+    assert contexts.select(replaced.any(dim=1), replaced).tokens == 1
+
+
 def test_contexts_from_batch_spreads_samples_over_the_batch():
     input_ids = torch.arange(8).unsqueeze(1).repeat(1, 3)  # row i holds token i
     contexts = contexts_from_batch(input_ids, samples=2)

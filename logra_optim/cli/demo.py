@@ -39,6 +39,7 @@ import torch
 
 from . import tasks
 from ..options import DIRECTIONS
+from ..probe import spread_rows
 from .arguments import choice_list, device, int_list, model_dir, positive_float, positive_int, writable_dir
 from .measure import MIB, faster_probe_dtype, memory_baseline, peak_memory, ratio, resolve_device, synchronize
 from .peers import LOW_RANK_PEERS, lora_model, low_rank_optimizer, train_only_targets
@@ -188,6 +189,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rank", type=positive_int, default=defaults.rank, help="LoGRA sketch rank")
     parser.add_argument("--kl-budget", type=positive_float, default=defaults.kl_budget, help="LoGRA KL per update")
     parser.add_argument(
+        "--probe-samples",
+        type=positive_int,
+        default=defaults.probe_samples,
+        help=f"sequences of each batch ({defaults.batch_size}) that LoGRA's KL probe reads; the KL meter reads "
+        f"{KL_METER_SAMPLES} others",
+    )
+    parser.add_argument(
         "--beta1", type=float, default=defaults.beta1, help="LoGRA's first-moment decay in sketch space (0: none)"
     )
     parser.add_argument(
@@ -290,6 +298,7 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         steps=args.steps,
         rank=args.rank,
         kl_budget=args.kl_budget,
+        probe_samples=args.probe_samples,
         beta1=args.beta1,
         refresh_every=args.refresh_every,
         direction=args.direction,
@@ -592,7 +601,7 @@ def run_worker(spec: dict) -> dict:
         settings.task, settings.steps * settings.batch_size, digits=settings.digits, style=settings.style, seed=seed
     )
     dataset = Dataset.from_dict({"prompt": [p.prompt for p in problems], "answer": [p.answer for p in problems]})
-    evaluations, meter = greedy_evaluations(settings, tokenizer, device), kl_meter(device)
+    evaluations, meter = greedy_evaluations(settings, tokenizer, device), kl_meter(device, settings.probe_samples)
     args = _grpo_config(settings, method, seed, device)
     trainer = GRPOTrainer(
         model=model,
@@ -704,13 +713,30 @@ def greedy_evaluations(settings: DemoSettings, tokenizer, device: str):
 KL_METER_SAMPLES = 8
 
 
-def kl_meter(device: str = "cpu", samples: int = KL_METER_SAMPLES):
+def held_out_rows(batch: int, probed: int, samples: int = KL_METER_SAMPLES) -> torch.Tensor:
+    """``samples`` rows of a ``batch``-row batch, spread over the rows that LoGRA's KL probe does
+    not read (its ``probed`` rows, chosen by :func:`~logra_optim.probe.spread_rows`); fewer if fewer
+    remain, and the probed rows themselves only when the probe reads the whole batch.
+
+    Held out, so that LoGRA's realised KL is measured on sequences its controller did not fit α to:
+    on the probed rows the KL equals the budget by construction, and that says nothing about the
+    batch's other sequences. Every method is measured on the same rows."""
+    probed_mask = torch.zeros(batch, dtype=torch.bool)
+    probed_mask[spread_rows(batch, probed)] = True
+    free = (~probed_mask).nonzero().squeeze(1)
+    if free.numel() == 0:
+        free = torch.arange(batch)
+    return free[spread_rows(free.numel(), samples)]
+
+
+def kl_meter(device: str = "cpu", probed: int = DemoSettings.probe_samples, samples: int = KL_METER_SAMPLES):
     """A trainer callback that measures every update's realised KL, ``KL(π_before ‖ π_after)`` per
-    generated token, on ``samples`` sequences of the update's own batch (spread over it), for any
-    method alike: the logits before the optimizer step against those after it. ``kls`` holds one
-    value per update; ``seconds`` its cost, kept out of the training time. This is what makes the
-    methods' step sizes comparable: a KL budget and a learning rate are not. Queued GPU work is
-    waited for around each clock read, so that no training work is counted as the meter's time."""
+    generated token, on ``samples`` sequences of the update's own batch that LoGRA's probe (of
+    ``probed`` sequences) does not read (:func:`held_out_rows`), for any method alike: the logits
+    before the optimizer step against those after it. ``kls`` holds one value per update;
+    ``seconds`` its cost, kept out of the training time. This is what makes the methods' step sizes
+    comparable: a KL budget and a learning rate are not. Queued GPU work is waited for around each
+    clock read, so that no training work is counted as the meter's time."""
     from transformers import TrainerCallback
 
     from logra_optim.probe import ContextRecorder, default_logits_fn, inference_environment, realised_kl
@@ -722,12 +748,15 @@ def kl_meter(device: str = "cpu", samples: int = KL_METER_SAMPLES):
             self._recorder = self._contexts = self._base = None
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
-            self._recorder = ContextRecorder(model, samples, args.temperature)
+            self._recorder = ContextRecorder(model, None, args.temperature)  # every row; chosen per update
 
         def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
             synchronize(device)
             started = time.perf_counter()
-            self._contexts = self._recorder.latest if self._recorder else None
+            batch = self._recorder.latest if self._recorder else None
+            self._contexts = (
+                None if batch is None else batch.select(held_out_rows(len(batch.input_ids), probed, samples))
+            )
             if self._contexts is not None and self._contexts.tokens:
                 with torch.no_grad(), inference_environment(model):
                     self._base = default_logits_fn(model, self._contexts)[self._contexts.probe_mask]
@@ -846,14 +875,22 @@ def summarize(records: list[dict]) -> list[dict]:
                 "reward_after": stat([r["after"]["reward"] for r in runs]),
                 "accuracy_before": stat([r["before"]["accuracy"] for r in runs]),
                 "accuracy_after": stat([r["after"]["accuracy"] for r in runs]),
-                # Median over each run's updates, then the seed mean.
+                # Median and 95th percentile over each run's updates, then the seed mean.
                 "kl_per_update": stat([statistics.median(r.get("kl_per_update") or [math.nan]) for r in runs]),
+                "kl_per_update_p95": stat([percentile_95(r.get("kl_per_update") or [math.nan]) for r in runs]),
                 "peak_bytes": max(r["peak_bytes"] for r in runs),
                 "seconds_per_update": statistics.median(r["seconds_per_update"] for r in runs),
                 "trained_params": runs[0]["trained_params"],
             }
         )
     return rows
+
+
+def percentile_95(values: list[float]) -> float:
+    """The 95th percentile of ``values`` (linearly interpolated, NumPy's default); NaN if any is."""
+    if any(math.isnan(v) for v in values):
+        return math.nan
+    return values[0] if len(values) == 1 else statistics.quantiles(values, n=20, method="inclusive")[-1]
 
 
 def table_rows(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
@@ -869,7 +906,7 @@ def table_rows(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
         "reward after",
         "exact before",
         "exact after",
-        "KL/update",
+        "KL/update (p95)",
         "peak MiB",
         "s/update",
     ]
@@ -884,7 +921,7 @@ def table_rows(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
             pm(r["reward_after"]),
             pm(r["accuracy_before"]),
             pm(r["accuracy_after"]),
-            f"{r['kl_per_update'][0]:.1e}",
+            f"{r['kl_per_update'][0]:.1e} ({r['kl_per_update_p95'][0]:.1e})",
             f"{r['peak_bytes'] / MIB:.0f}",
             f"{r['seconds_per_update']:.2f}",
         ]
