@@ -93,8 +93,10 @@ def summarise(record: dict, budget: float, window: int, collapse_tolerance: floa
     means = windows(rewards, window)
     skips = {key: int(max(stats.get(f"logra/{key}", [0]) or [0])) for key in ("nonfinite_skips", "probe_skips")}
     over = sum(r > 1.0 + TOLERANCE for r in ratios)
-    # The demo's meter: the same updates' KL on 8 sequences of the batch the probe did not read.
-    held_out = [float(x) / budget for x in record.get("kl_per_update", []) if math.isfinite(x)]
+    # The demo's meter: the same updates' KL on 8 sequences of the batch the probe did not read
+    # (none, when the probe reads whole batches: then the column is left empty).
+    metered = record.get("kl_per_update", []) if record.get("kl_meter_held_out") else []
+    held_out = [float(x) / budget for x in metered if math.isfinite(x)]
     collapsed = bool(means) and means[-1] < max(means) - collapse_tolerance
     return {
         "updates": len(rewards),
@@ -107,7 +109,7 @@ def summarise(record: dict, budget: float, window: int, collapse_tolerance: floa
         "kl_measured": len(ratios),
         "kl_non_finite": len(realised) - len(ratios),
         "kl_over_budget": over,
-        "kl_ratio_median": sorted(ratios)[len(ratios) // 2] if ratios else None,
+        "kl_ratio_median": statistics.median(ratios) if ratios else None,
         "kl_ratio_max": max(ratios) if ratios else None,
         "held_out_kl_ratio_median": statistics.median(held_out) if held_out else None,
         "held_out_kl_ratio_p95": demo.percentile_95(held_out) if held_out else None,
@@ -144,7 +146,7 @@ def markdown(report: dict) -> str:
         held_out = (
             f"{s['held_out_kl_ratio_median']:.2f}, {s['held_out_kl_ratio_p95']:.2f}, {s['held_out_kl_ratio_max']:.2f}"
             if s.get("held_out_kl_ratio_median") is not None
-            else "not measured"
+            else "none held out"
         )
         lines.append(
             f"| {seed} | {s['reward_first_window']:.3f} / {s['reward_best_window']:.3f} / "

@@ -112,6 +112,8 @@ def test_peers_are_opt_in_with_their_own_learning_rates(tmp_path):
         (["--galore-lr", "0"], "--galore-lr"),
         (["--apollo-mini-lr", "-1e-4"], "--apollo-mini-lr"),
         (["--apollo-mini-lr", "inf"], "--apollo-mini-lr"),
+        (["--probe-samples", "25"], "--probe-samples must be ≤ 24"),  # the KL meter needs 8 other rows
+        (["--probe-samples", "0"], "--probe-samples"),
     ],
 )
 def test_bad_peer_options_name_the_option(capsys, tmp_path, argv, expected):
@@ -271,3 +273,36 @@ def test_the_kl_percentile_is_numpys(values):
 
 def test_the_kl_percentile_of_a_run_with_a_missing_value_is_nan():
     assert math.isnan(demo.percentile_95([1e-3, math.nan, 2e-3]))
+
+
+def test_the_kl_meter_measures_the_rows_the_probe_does_not_read():
+    """The trainer callback itself, on a real forward of 32 sequences: it measures the update's KL
+    on 8 rows LoGRA's probe (8 spread rows) leaves alone, exactly the KL on those rows; a probe of
+    whole batches leaves it none, and it says so."""
+    from types import SimpleNamespace
+
+    from logra_optim.probe import contexts_from_batch, default_logits_fn, inference_environment, realised_kl
+    from tests.helpers.tiny import tiny_qwen2
+
+    model, args = tiny_qwen2(), SimpleNamespace(temperature=1.0)
+    input_ids = torch.randint(0, 128, (32, 6), generator=torch.Generator().manual_seed(0))
+    meter, whole = demo.kl_meter("cpu", probed=8), demo.kl_meter("cpu", probed=32)
+    for callback in (meter, whole):
+        callback.on_train_begin(args, None, None, model=model)
+    model.train()
+    model(input_ids=input_ids).logits.sum().backward()  # a training forward: both meters record it
+    for callback in (meter, whole):
+        callback.on_pre_optimizer_step(args, None, None, model=model)
+    assert len(meter.rows) == 8 and set(spread_rows(32, 8).tolist()).isdisjoint(meter.rows) and meter.held_out
+    assert not whole.held_out
+    expected = contexts_from_batch(input_ids[meter.rows])
+    with inference_environment(model):
+        base = default_logits_fn(model, expected)[expected.probe_mask]
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(1e-2 * torch.randn_like(parameter))
+    meter.on_optimizer_step(args, None, None, model=model)
+    total, tokens = realised_kl(model, expected, base)
+    assert meter.kls == [pytest.approx(float(total) / tokens, rel=1e-6)] and meter.kls[0] > 0.0
+    for callback in (meter, whole):
+        callback.on_train_end(args, None, None)

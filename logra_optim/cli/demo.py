@@ -291,6 +291,12 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error("--logra-non-target-lr sets LoGRA's AdamW on the rest, but --methods has no logra")
     if args.eval_every < 0:
         parser.error(f"--eval-every must be ≥ 0 (0 turns the evaluations during RL off), got {args.eval_every}")
+    room = DemoSettings.batch_size - KL_METER_SAMPLES
+    if args.probe_samples > room:
+        parser.error(
+            f"--probe-samples must be ≤ {room}, got {args.probe_samples}: the KL meter reads {KL_METER_SAMPLES} "
+            f"other sequences of each batch of {DemoSettings.batch_size}"
+        )
     settings = DemoSettings(
         output=os.path.abspath(args.output),
         task=args.task,
@@ -665,6 +671,7 @@ def run_worker(spec: dict) -> dict:
         "evaluations": [[0, before["reward"]], *evaluations.points, [settings.steps, after["reward"]]],
         "logra_stats": logra_stats,
         "kl_per_update": meter.kls,
+        "kl_meter_held_out": meter.held_out,
         "seconds_per_update": seconds / settings.steps,
         "peak_bytes": peak_memory(device) - baseline,
         "device": device,
@@ -734,9 +741,11 @@ def kl_meter(device: str = "cpu", probed: int = DemoSettings.probe_samples, samp
     generated token, on ``samples`` sequences of the update's own batch that LoGRA's probe (of
     ``probed`` sequences) does not read (:func:`held_out_rows`), for any method alike: the logits
     before the optimizer step against those after it. ``kls`` holds one value per update;
-    ``seconds`` its cost, kept out of the training time. This is what makes the methods' step sizes
-    comparable: a KL budget and a learning rate are not. Queued GPU work is waited for around each
-    clock read, so that no training work is counted as the meter's time."""
+    ``seconds`` its cost, kept out of the training time; ``rows`` the batch rows of the latest
+    measurement; ``held_out`` whether every measurement avoided the probed rows (not when the probe
+    reads whole batches). This is what makes the methods' step sizes comparable: a KL budget and a
+    learning rate are not. Queued GPU work is waited for around each clock read, so that no
+    training work is counted as the meter's time."""
     from transformers import TrainerCallback
 
     from logra_optim.probe import ContextRecorder, default_logits_fn, inference_environment, realised_kl
@@ -745,6 +754,8 @@ def kl_meter(device: str = "cpu", probed: int = DemoSettings.probe_samples, samp
         def __init__(self):
             self.kls: list[float] = []
             self.seconds = 0.0
+            self.rows: list[int] = []
+            self.held_out = True
             self._recorder = self._contexts = self._base = None
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -754,9 +765,11 @@ def kl_meter(device: str = "cpu", probed: int = DemoSettings.probe_samples, samp
             synchronize(device)
             started = time.perf_counter()
             batch = self._recorder.latest if self._recorder else None
-            self._contexts = (
-                None if batch is None else batch.select(held_out_rows(len(batch.input_ids), probed, samples))
-            )
+            self._contexts = None
+            if batch is not None:
+                rows = held_out_rows(len(batch.input_ids), probed, samples)
+                self.rows, self.held_out = rows.tolist(), self.held_out and probed < len(batch.input_ids)
+                self._contexts = batch.select(rows)
             if self._contexts is not None and self._contexts.tokens:
                 with torch.no_grad(), inference_environment(model):
                     self._base = default_logits_fn(model, self._contexts)[self._contexts.probe_mask]
