@@ -38,6 +38,7 @@ from pathlib import Path
 from logra_optim.cli import demo
 from logra_optim.options import DIRECTIONS
 from logra_optim.cli.arguments import device, int_list, positive_float, positive_int, writable_dir
+from logra_optim.cli.measure import percentile_95
 from logra_optim.cli.runner import WorkerFailed
 
 TOLERANCE = 0.1  # the KL controller's default realised_kl_tolerance
@@ -112,7 +113,7 @@ def summarise(record: dict, budget: float, window: int, collapse_tolerance: floa
         "kl_ratio_median": statistics.median(ratios) if ratios else None,
         "kl_ratio_max": max(ratios) if ratios else None,
         "held_out_kl_ratio_median": statistics.median(held_out) if held_out else None,
-        "held_out_kl_ratio_p95": demo.percentile_95(held_out) if held_out else None,
+        "held_out_kl_ratio_p95": percentile_95(held_out) if held_out else None,
         "held_out_kl_ratio_max": max(held_out) if held_out else None,
         **skips,
         "stable": not collapsed and over == 0 and len(ratios) == len(rewards) and not any(skips.values()),

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from logra_optim import find_target_modules
 from logra_optim.cli import demo
+from logra_optim.cli.measure import percentile_95
 from logra_optim.probe import spread_rows
 from tests.test_cli import usage_error
 
@@ -268,11 +269,11 @@ def test_the_kl_meter_reads_rows_the_probe_does_not(batch, probed, samples):
 
 @given(values=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=50))
 def test_the_kl_percentile_is_numpys(values):
-    assert demo.percentile_95(values) == pytest.approx(float(np.percentile(values, 95)), rel=1e-12, abs=1e-15)
+    assert percentile_95(values) == pytest.approx(float(np.percentile(values, 95)), rel=1e-12, abs=1e-15)
 
 
 def test_the_kl_percentile_of_a_run_with_a_missing_value_is_nan():
-    assert math.isnan(demo.percentile_95([1e-3, math.nan, 2e-3]))
+    assert math.isnan(percentile_95([1e-3, math.nan, 2e-3]))
 
 
 def test_the_kl_meter_measures_the_rows_the_probe_does_not_read():

@@ -41,7 +41,16 @@ from . import tasks
 from ..options import DIRECTIONS
 from ..probe import spread_rows
 from .arguments import choice_list, device, int_list, model_dir, positive_float, positive_int, writable_dir
-from .measure import MIB, faster_probe_dtype, memory_baseline, peak_memory, ratio, resolve_device, synchronize
+from .measure import (
+    MIB,
+    faster_probe_dtype,
+    memory_baseline,
+    peak_memory,
+    percentile_95,
+    ratio,
+    resolve_device,
+    synchronize,
+)
 from .peers import LOW_RANK_PEERS, lora_model, low_rank_optimizer, train_only_targets
 from .runner import run_fresh
 
@@ -897,13 +906,6 @@ def summarize(records: list[dict]) -> list[dict]:
             }
         )
     return rows
-
-
-def percentile_95(values: list[float]) -> float:
-    """The 95th percentile of ``values`` (linearly interpolated, NumPy's default); NaN if any is."""
-    if any(math.isnan(v) for v in values):
-        return math.nan
-    return values[0] if len(values) == 1 else statistics.quantiles(values, n=20, method="inclusive")[-1]
 
 
 def table_rows(rows: list[dict]) -> tuple[list[str], list[list[str]]]:

@@ -10,7 +10,9 @@ configuration: peaks cannot be reset, so a configuration run after another would
 
 from __future__ import annotations
 
+import math
 import resource
+import statistics
 import sys
 import time
 
@@ -97,3 +99,10 @@ def ratio(value: float, baseline: float) -> str:
     """``value / baseline`` as ``"0.42×"``; ``"n/a"`` when the baseline measured zero (a run so small
     that it never rose above the post-import RSS high-water mark)."""
     return f"{value / baseline:.2f}×" if baseline > 0 else "n/a"
+
+
+def percentile_95(values: list[float]) -> float:
+    """The 95th percentile of ``values`` (linearly interpolated, NumPy's default); NaN if any is."""
+    if any(math.isnan(v) for v in values):
+        return math.nan
+    return values[0] if len(values) == 1 else statistics.quantiles(values, n=20, method="inclusive")[-1]
