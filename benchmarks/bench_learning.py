@@ -337,6 +337,13 @@ def table_rows(result: dict) -> list[list[str]]:
     return rows
 
 
+def meter_rows(settings: dict) -> str:
+    """Which sequences the demo's KL meter read (see ``demo.held_out_rows``)."""
+    if settings.get("probe_samples", 0) < settings.get("batch_size", 0):
+        return "that LoGRA's probe does not read"
+    return "(LoGRA's probe reads whole batches here, so its KL is measured on probed sequences)"
+
+
 def markdown(report: dict) -> str:
     lines = [
         "# Learning benchmark",
@@ -346,7 +353,7 @@ def markdown(report: dict) -> str:
         f"GRPO, {report['settings']['steps']} updates per run, seeds {report['settings']['seeds']}, rank "
         f"{report['settings']['rank']}; each method at its best (highest mean sampled-reward AUC) of an equal "
         f"sweep of {report['settings']['sweep_size']} values. KL/update: the realised KL of an update on 8 "
-        "sequences of its batch that LoGRA's probe does not read (the median over the run, mean over seeds), "
+        f"sequences of its batch {meter_rows(report['settings'])} (the median over the run, mean over seeds), "
         "measured alike for every method.",
     ]
     for task, result in report["tasks"].items():

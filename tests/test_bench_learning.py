@@ -172,3 +172,9 @@ def test_a_run_that_fails_is_reported_and_kept_out_of_the_mean(tmp_path):
     assert failed["seeds"] == [] and failed["failed_seeds"] == [0] and failed["auc"] is None
     assert entry["best"]["value"] == 3e-4 and entry["best"]["seeds"] == [0]
     assert "Failed runs" in (tmp_path / "learning.md").read_text()
+
+
+def test_the_report_says_which_sequences_the_kl_meter_read():
+    """The meter reads sequences LoGRA's probe did not, unless the probe took whole batches (as with --quick)."""
+    assert "does not read" in bench.meter_rows({"probe_samples": 32, "batch_size": 64})
+    assert "measured on probed sequences" in bench.meter_rows({"probe_samples": 32, "batch_size": 32})
