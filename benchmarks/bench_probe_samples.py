@@ -10,12 +10,14 @@ faster; the step is then fitted to less of the batch, and the rest of it may mov
 For each seed: dense AdamW, LoGRA at each ``--probe-samples`` value, dense AdamW again, each in a
 fresh process from the demo's warm start, with the demo's settings otherwise (policy, task, rank,
 KL budget, update ratio, batch). AdamW runs first and last so that the machine's drift over the
-runs shows beside the ratios; every time ratio divides by the mean of its seed's two AdamW runs.
-Reported per run: seconds per update (the demo's: generation, forward, backward and step, without
-greedy evaluations and the KL meter) and its ratio, LoGRA's probe seconds per update, the
-sampled-reward AUC, the greedy reward after RL, and the KL per update on the demo meter's held-out
-sequences (8 of the batch that the probe did not read, the same rule for every run) over LoGRA's
-budget: median, 95th percentile, maximum and the number of updates above ``--tail`` × the budget.
+runs shows beside the ratios; every time ratio divides by the mean of its seed's AdamW runs that
+finished (both, unless one failed). Reported per run: seconds per update (the demo's: generation,
+forward, backward and step, without greedy evaluations and the KL meter) and its ratio, LoGRA's
+probe seconds per update, the sampled-reward AUC, the greedy reward after RL, and each update's KL
+on the demo meter's held-out sequences over LoGRA's budget: median, 95th percentile and maximum over
+updates, and the number of updates above ``--tail`` × the budget. The meter reads 8 rows of each
+batch spread over those the run's probe did not read (``demo.held_out_rows``), so which 8 depends
+on the probe count; AdamW's runs are metered as in the demo, on the rows an 8-sequence probe leaves.
 
 Writes ``probe-samples.json`` (settings, summaries and every run's record) and ``probe-samples.md``.
 
@@ -36,7 +38,7 @@ from pathlib import Path
 
 from logra_optim.cli import demo
 from logra_optim.cli.arguments import device, int_list, positive_float, positive_int, writable_dir
-from logra_optim.cli.measure import percentile_95
+from logra_optim.cli.measure import spread
 from logra_optim.cli.runner import WorkerFailed
 
 
@@ -65,26 +67,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def kl_summary(record: dict, budget: float, tail: float) -> dict:
-    """The meter's KL per update over ``budget``: median, 95th percentile, maximum, and how many
-    updates exceeded ``tail`` × the budget (``None`` everywhere when the meter was not held out)."""
-    ratios = [float(x) / budget for x in record["kl_per_update"] if math.isfinite(x)]
-    if not record.get("kl_meter_held_out") or not ratios:
-        return {"kl_median": None, "kl_p95": None, "kl_max": None, "kl_over_tail": None}
+    """The meter's KL per update over ``budget``: median, 95th percentile and maximum over updates,
+    how many updates exceeded ``tail`` × the budget, and how many had no finite KL (``None``
+    everywhere when the meter read the probed sequences)."""
+    ratios = [float(x) / budget for x in record["kl_per_update"]]
+    summary = spread(ratios) if record.get("kl_meter_held_out") else None
+    if summary is None:
+        return {"kl_median": None, "kl_p95": None, "kl_max": None, "kl_over_tail": None, "kl_non_finite": None}
     return {
-        "kl_median": statistics.median(ratios),
-        "kl_p95": percentile_95(ratios),
-        "kl_max": max(ratios),
-        "kl_over_tail": sum(r > tail for r in ratios),
+        "kl_median": summary["median"],
+        "kl_p95": summary["p95"],
+        "kl_max": summary["max"],
+        "kl_over_tail": sum(r > tail for r in ratios if math.isfinite(r)),
+        "kl_non_finite": sum(not math.isfinite(r) for r in ratios),
     }
 
 
-def summarise(record: dict, budget: float, tail: float, adamw_seconds: float) -> dict:
-    """One run's row: time and its ratio to ``adamw_seconds``, learning, and the held-out KL."""
+def summarise(record: dict, budget: float, tail: float, adamw_seconds: float | None) -> dict:
+    """One run's row: time and its ratio to ``adamw_seconds`` (``None``: no AdamW run finished),
+    learning, and the held-out KL."""
     probe = record.get("logra_stats", {}).get("logra/probe_seconds", [])
     rewards = record["train_rewards"]
+    seconds = record["seconds_per_update"]
     return {
-        "seconds_per_update": record["seconds_per_update"],
-        "time_ratio": record["seconds_per_update"] / adamw_seconds,
+        "seconds_per_update": seconds,
+        "time_ratio": None if adamw_seconds is None else seconds / adamw_seconds,
         "probe_seconds": statistics.median(probe) if probe else None,
         "reward_auc": sum(rewards) / len(rewards) if rewards else None,
         "greedy_after": record["after"]["reward"],
@@ -109,7 +116,7 @@ def markdown(report: dict) -> str:
         f"{settings['batch_size']} completions, LoGRA rank {settings['rank']}, KL budget "
         f"{settings['kl_budget']:g} per update, {settings['direction']} directions. KL per update on 8 sequences "
         "of each batch that LoGRA's probe did not read, over the budget. Time ratios against the mean of the "
-        "seed's two dense AdamW runs (first and last).",
+        "seed's dense AdamW runs that finished (first and last).",
         "",
         f"| seed | run | s / update | time / AdamW | probe s | reward AUC | greedy after | KL: median | p95 | max "
         f"| updates > {tail:g}× |",
@@ -121,8 +128,11 @@ def markdown(report: dict) -> str:
                 lines.append(f"| {seed} | {row['run']} | failed: {row['error']} | | | | | | | | |")
                 continue
             over = "" if row["kl_over_tail"] is None else f"{row['kl_over_tail']} of {row['updates']}"
+            if row.get("kl_non_finite"):
+                over += f" ({row['kl_non_finite']} not finite)"
+            ratio = "no AdamW run" if row["time_ratio"] is None else f"{row['time_ratio']:.2f}×"
             lines.append(
-                f"| {seed} | {row['run']} | {row['seconds_per_update']:.3f} | {row['time_ratio']:.2f}× | "
+                f"| {seed} | {row['run']} | {row['seconds_per_update']:.3f} | {ratio} | "
                 f"{_cell(row['probe_seconds'], '.3f')} | {_cell(row['reward_auc'], '.3f')} | "
                 f"{row['greedy_after']:.3f} | {_cell(row['kl_median'], '.2f')} | {_cell(row['kl_p95'], '.2f')} | "
                 f"{_cell(row['kl_max'], '.1f')} | {over} |"
@@ -142,12 +152,13 @@ def run_seed(settings: demo.DemoSettings, seed: int, samples: list[int], tail: f
         except WorkerFailed as error:
             failures[label] = error.why
     adamw = [records[label]["seconds_per_update"] for label in ("adamw (first)", "adamw (last)") if label in records]
+    baseline = statistics.mean(adamw) if adamw else None
     rows = []
     for _, label, _ in plan:
-        if label in failures or not adamw:
-            rows.append({"run": label, "error": failures.get(label, "no AdamW run to divide by")})
+        if label in failures:
+            rows.append({"run": label, "error": failures[label]})
             continue
-        rows.append({"run": label, **summarise(records[label], settings.kl_budget, tail, statistics.mean(adamw))})
+        rows.append({"run": label, **summarise(records[label], settings.kl_budget, tail, baseline)})
     return rows, records
 
 
@@ -155,10 +166,16 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    defaults = demo.DemoSettings(output="")
     room = args.batch_size - demo.KL_METER_SAMPLES
     if room < 1:
         parser.error(
             f"--batch-size must be more than the KL meter's {demo.KL_METER_SAMPLES} held-out sequences, "
+            f"got {args.batch_size}"
+        )
+    if args.batch_size % defaults.num_generations:
+        parser.error(
+            f"--batch-size must be a multiple of the demo's {defaults.num_generations} completions per prompt, "
             f"got {args.batch_size}"
         )
     if max(args.probe_samples) > room or min(args.probe_samples) < 1:

@@ -38,7 +38,7 @@ from pathlib import Path
 from logra_optim.cli import demo
 from logra_optim.options import DIRECTIONS
 from logra_optim.cli.arguments import device, int_list, positive_float, positive_int, writable_dir
-from logra_optim.cli.measure import percentile_95
+from logra_optim.cli.measure import spread
 from logra_optim.cli.runner import WorkerFailed
 
 TOLERANCE = 0.1  # the KL controller's default realised_kl_tolerance
@@ -97,7 +97,7 @@ def summarise(record: dict, budget: float, window: int, collapse_tolerance: floa
     # The demo's meter: the same updates' KL on 8 sequences of the batch the probe did not read
     # (none, when the probe reads whole batches: then the column is left empty).
     metered = record.get("kl_per_update", []) if record.get("kl_meter_held_out") else []
-    held_out = [float(x) / budget for x in metered if math.isfinite(x)]
+    held_out = spread([float(x) / budget for x in metered]) or {}
     collapsed = bool(means) and means[-1] < max(means) - collapse_tolerance
     return {
         "updates": len(rewards),
@@ -112,9 +112,9 @@ def summarise(record: dict, budget: float, window: int, collapse_tolerance: floa
         "kl_over_budget": over,
         "kl_ratio_median": statistics.median(ratios) if ratios else None,
         "kl_ratio_max": max(ratios) if ratios else None,
-        "held_out_kl_ratio_median": statistics.median(held_out) if held_out else None,
-        "held_out_kl_ratio_p95": percentile_95(held_out) if held_out else None,
-        "held_out_kl_ratio_max": max(held_out) if held_out else None,
+        "held_out_kl_ratio_median": held_out.get("median"),
+        "held_out_kl_ratio_p95": held_out.get("p95"),
+        "held_out_kl_ratio_max": held_out.get("max"),
         **skips,
         "stable": not collapsed and over == 0 and len(ratios) == len(rewards) and not any(skips.values()),
     }

@@ -31,6 +31,12 @@ def test_the_held_out_kl_is_summarised_over_the_budget():
     assert summary["kl_over_tail"] == 1
 
 
+def test_updates_without_a_finite_kl_are_counted_not_summarised():
+    summary = bench.kl_summary(record([0.01, float("nan"), 0.07, float("inf")]), 0.01, 5.0)
+    assert summary["kl_non_finite"] == 2 and summary["kl_over_tail"] == 1
+    assert summary["kl_median"] == pytest.approx(4.0) and summary["kl_max"] == pytest.approx(7.0)
+
+
 def test_a_meter_that_read_the_probed_sequences_is_not_summarised():
     summary = bench.kl_summary(record([0.01, 0.02], held_out=False), 0.01, 5.0)
     assert set(summary.values()) == {None}
@@ -43,6 +49,38 @@ def test_a_row_divides_by_the_adamw_time_and_reports_the_probe():
     assert row["reward_auc"] == pytest.approx(0.3)
     assert row["greedy_after"] == 0.6 and row["updates"] == 2
     assert bench.summarise(record([0.01]), 0.01, 5.0, 0.5)["probe_seconds"] is None  # AdamW has no probe
+
+
+def test_failed_runs_are_rows_and_the_ratio_divides_by_the_adamw_runs_that_finished(monkeypatch):
+    """The orchestration alone (every worker's record made up here; the end-to-end test below runs
+    the real ones): a failed worker becomes a row with its error, and the time ratio divides by the
+    AdamW runs that finished; with none, LoGRA's rows keep their measurements without a ratio."""
+    from logra_optim.cli import demo
+    from logra_optim.cli.runner import WorkerFailed
+
+    def launch(failing):
+        def launch_worker(settings, method, seed, console, description):
+            if description.startswith(failing):
+                raise WorkerFailed(description, "exit code 1", "")
+            seconds = 0.4 if method == "adamw" else 0.3 + 0.01 * settings.probe_samples
+            return record([0.001, 0.002], seconds=seconds, probe=[0.05] if method == "logra" else None)
+
+        return launch_worker
+
+    settings = demo.DemoSettings(output="")
+    monkeypatch.setattr(demo, "launch_worker", launch(("adamw (last)", "logra, 4")))
+    rows, records = bench.run_seed(settings, 0, [2, 4], 5.0, console=None)
+    assert [row["run"] for row in rows] == ["adamw (first)", "logra, 2 probed", "logra, 4 probed", "adamw (last)"]
+    assert rows[2] == {"run": "logra, 4 probed", "error": "exit code 1"} and "error" in rows[3]
+    assert rows[1]["time_ratio"] == pytest.approx(0.32 / 0.4)  # the first AdamW run alone
+    assert set(records) == {"adamw (first)", "logra, 2 probed"}
+
+    monkeypatch.setattr(demo, "launch_worker", launch("adamw"))
+    rows, _ = bench.run_seed(settings, 0, [2], 5.0, console=None)
+    assert rows[1]["time_ratio"] is None and rows[1]["seconds_per_update"] == pytest.approx(0.32)
+    assert "| 0 | logra, 2 probed | 0.320 | no AdamW run |" in bench.markdown(
+        {"command": "", "settings": {**settings.__dict__, "tail": 5.0}, "seeds": {"0": rows}}
+    )
 
 
 def test_the_table_shows_failed_runs():
@@ -77,6 +115,8 @@ def test_the_table_shows_failed_runs():
         (("--probe-samples", "25"), "--probe-samples must be in 1…24"),
         (("--probe-samples", "4", "--batch-size", "8"), "--batch-size must be more than the KL meter's 8"),
         (("--probe-samples", ""), "expected at least one integer"),
+        (("--probe-samples", "0"), "--probe-samples must be in 1…24"),
+        (("--batch-size", "20"), "--batch-size must be a multiple of the demo's 8"),
         (("--warm-start-steps", "-1"), "--warm-start-steps must be ≥ 0"),
     ],
 )

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from logra_optim.cli import demo
-from logra_optim.cli.measure import percentile_95
+from logra_optim.cli.measure import percentile_95, spread
 from logra_optim.probe import spread_rows
 
 
@@ -39,6 +39,23 @@ def test_the_kl_percentile_is_numpys(values):
 
 def test_the_kl_percentile_of_a_run_with_a_missing_value_is_nan():
     assert math.isnan(percentile_95([1e-3, math.nan, 2e-3]))
+
+
+@given(
+    values=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=50),
+    holes=st.lists(st.sampled_from([math.nan, math.inf, -math.inf]), max_size=5),
+)
+def test_a_series_spread_is_numpys_over_its_finite_values(values, holes):
+    """Median, 95th percentile and maximum of a per-update series, its non-finite entries (a
+    skipped or failed measurement) left out rather than poisoning the summary."""
+    summary = spread(values + holes)
+    assert summary["median"] == pytest.approx(float(np.median(values)), rel=1e-12, abs=1e-15)
+    assert summary["p95"] == pytest.approx(float(np.percentile(values, 95)), rel=1e-12, abs=1e-15)
+    assert summary["max"] == max(values)
+
+
+def test_a_series_without_a_finite_value_has_no_spread():
+    assert spread([]) is None and spread([math.nan, math.inf]) is None
 
 
 def test_the_kl_meter_measures_the_rows_the_probe_does_not_read():

@@ -106,3 +106,12 @@ def percentile_95(values: list[float]) -> float:
     if any(math.isnan(v) for v in values):
         return math.nan
     return values[0] if len(values) == 1 else statistics.quantiles(values, n=20, method="inclusive")[-1]
+
+
+def spread(values: list[float]) -> dict[str, float] | None:
+    """``{"median", "p95", "max"}`` of the finite ``values`` (``None`` when none is finite): how a
+    per-update series is summarised, its tail beside its middle."""
+    finite = [float(v) for v in values if math.isfinite(v)]
+    if not finite:
+        return None
+    return {"median": statistics.median(finite), "p95": percentile_95(finite), "max": max(finite)}
