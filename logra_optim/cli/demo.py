@@ -99,8 +99,9 @@ class DemoSettings:
     # The relative step before KL control scales it; the default 6e-5 is for billion-parameter
     # models and would cap α (at alpha_max) long before this tiny one reaches the budget.
     update_ratio: float = 5e-2
-    # Completions are 2–3 tokens: probe more sequences than the default 2, but only a quarter of
-    # the batch, so that the probe costs less than the backward work LoGRA saves.
+    # Completions are 2–3 tokens: with the optimizer's default 2 probed sequences the KL that an
+    # update moves the rest of the batch has a wide tail here; 8 (a quarter of the batch) costs about
+    # what LoGRA saves in the backward (docs/benchmarks.md: how many sequences the KL probe reads).
     probe_samples: int = 8
     # The probe's dual forward in bf16 (its products, as a bf16 training forward's; the KL math stays
     # float64): about a third less probe time where bf16 products are fast, prediction within a
