@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=positive_int, default=defaults.batch_size, help="completions per update")
     parser.add_argument("--warm-start-steps", type=int, default=defaults.warm_start_steps, help="at most this many")
     parser.add_argument("--tail", type=positive_float, default=5.0, help="count updates above this × the budget")
+    parser.add_argument(
+        "--kl-floor", type=positive_float, default=None, help="LoGRA's kl_floor (default: none, as in the demo)"
+    )
     parser.add_argument("--device", type=device, default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--output", type=writable_dir, default="logra-probe-samples")
     return parser
@@ -114,7 +117,9 @@ def markdown(report: dict) -> str:
         "",
         f"`logra demo`'s `{settings['policy']}` policy on `{settings['task']}`, {settings['steps']} updates of "
         f"{settings['batch_size']} completions, LoGRA rank {settings['rank']}, KL budget "
-        f"{settings['kl_budget']:g} per update, {settings['direction']} directions. KL per update on 8 sequences "
+        f"{settings['kl_budget']:g} per update, {settings['direction']} directions"
+        + (f", `kl_floor={settings['kl_floor']:g}`" if settings.get("kl_floor") else "")
+        + ". KL per update on 8 sequences "
         "of each batch that LoGRA's probe did not read, over the budget. Time ratios against the mean of the "
         "seed's dense AdamW runs that finished (first and last).",
         "",
@@ -183,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             f"--probe-samples must be in 1…{room} (the batch of {args.batch_size} less the KL meter's "
             f"{demo.KL_METER_SAMPLES} held-out sequences), got {args.probe_samples}"
         )
+    if args.kl_floor is not None and args.kl_floor > 1.0:
+        parser.error(f"--kl-floor must be in (0, 1], got {args.kl_floor}")
     if args.warm_start_steps < 0:
         parser.error(f"--warm-start-steps must be ≥ 0, got {args.warm_start_steps}")
     from rich.console import Console
@@ -200,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         warm_start_steps=args.warm_start_steps,
         methods=["adamw", "logra"],
         device=args.device,
+        kl_floor=args.kl_floor,
     )
     started = time.perf_counter()
     demo.prepare_warm_starts(settings, device_name, console)

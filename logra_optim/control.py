@@ -13,6 +13,7 @@ business.
 
 from __future__ import annotations
 
+import collections
 import math
 import time
 import warnings
@@ -25,7 +26,7 @@ import torch.nn as nn
 
 from . import distributed as dp
 
-from .kl import budget_at, effective_budget, mismatch_sample, mismatch_terms, step_scale
+from .kl import budget_at, effective_budget, floored_kl, mismatch_sample, mismatch_terms, step_scale
 from .options import KLOptions, positive
 from .patching import TargetState
 from .probe import (
@@ -87,6 +88,8 @@ class KLController:
         self.options = options
         self.logits_fn = options.probe_logits_fn or default_logits_fn
         self.mismatch = 0.0  # κ
+        # The probes' q of the latest updates (every rank's the same), for the floor (kl_floor).
+        self.recent_kl: collections.deque[float] = collections.deque(maxlen=options.kl_floor_window)
         self._ranks, self._fsdp2 = ranks, list(fsdp2)
         self._explicit: ProbeContexts | None = None
         self._warned_precision = False
@@ -204,9 +207,14 @@ class KLController:
         if not math.isfinite(q) or q < 0:
             raise UpdateSkipped(f"predicted KL q={q} at update {update}", "probe")
         self._warn_if_low_precision(targets)
-        alpha = step_scale(q, budget_eff, options.alpha_max)
+        # The floor applies once a full window of updates has been probed.
+        full = options.kl_floor is not None and len(self.recent_kl) == self.recent_kl.maxlen
+        q_used = floored_kl(q, self.recent_kl, options.kl_floor) if full else q
+        self.recent_kl.append(q)
+        alpha = step_scale(q_used, budget_eff, options.alpha_max)
         stats = {
             "predicted_kl": q,
+            "predicted_kl_used": q_used,
             "predicted_step_kl": alpha**2 * q,
             "kl_budget": budget,
             "kl_budget_effective": budget_eff,

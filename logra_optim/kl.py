@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
+import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,19 @@ def _scaled_double(x: torch.Tensor, temperature: float) -> torch.Tensor:
     """``x / T`` as a fresh float64 tensor (one pass when T = 1)."""
     x = x.to(torch.float64, copy=True)
     return x if temperature == 1.0 else x.div_(temperature)
+
+
+def floored_kl(predicted_kl: float, recent: Sequence[float], fraction: float) -> float:
+    """``max(q, fraction · median(recent))``: the predicted KL of the unit step, floored at a fraction
+    of its median over recent updates (``q`` itself while ``recent`` is empty).
+
+    ``q`` comes from a few probed sequences. When they happen to be ones the step barely moves, ``q``
+    drops far below its recent values and ``α = sqrt(δ/q)`` rises far above them, while the rest of
+    the batch moves by much more than the budget; the floor caps α at ``1/sqrt(fraction)`` times what
+    the recent median ``q`` would give (2× for ``fraction = 0.25``)."""
+    if not recent:
+        return predicted_kl
+    return max(predicted_kl, fraction * statistics.median(recent))
 
 
 def step_scale(predicted_kl: float, budget: float, alpha_max: float) -> float:

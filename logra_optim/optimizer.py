@@ -163,6 +163,12 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             exactly (from a host copy of the targets) and retry with α rescaled by
             ``sqrt(δ/realised)``, at most ``realised_kl_retries`` times.
         mismatch_ema: EMA weight of the rollout/trainer mismatch ``κ`` (see :meth:`observe_mismatch`).
+        kl_floor: floor the predicted KL of the unit step at this fraction of its median over the
+            previous ``kl_floor_window`` updates (from the first full window on), so that α is at
+            most ``1/sqrt(kl_floor)`` times what the recent median would give. Guards against a
+            probe of few sequences that the step barely moves (docs/benchmarks.md measures the tail
+            it causes). ``None`` (default): no floor. Not with ``realised_kl_check``.
+        kl_floor_window: updates whose predicted KL the floor's median is taken over.
         process_group: the data-parallel group sketches are averaged over (default: the world group
             when ``torch.distributed`` runs several ranks). Every rank then computes the same update and
             merges it into the part of each weight it stores (replicated, FSDP2 row shard, ZeRO-3
@@ -210,6 +216,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         realised_kl_tolerance: float = 0.1,
         realised_kl_retries: int = 3,
         mismatch_ema: float = 0.3,
+        kl_floor: float | None = None,
+        kl_floor_window: int = 20,
         process_group: Any = None,
     ):
         if not isinstance(model, nn.Module):
@@ -245,6 +253,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             realised_kl_tolerance=realised_kl_tolerance,
             realised_kl_retries=realised_kl_retries,
             mismatch_ema=mismatch_ema,
+            kl_floor=kl_floor,
+            kl_floor_window=kl_floor_window,
         )
         check_non_target_optimizer(non_target_optimizer, kl)
         found = patched_targets(model)
@@ -730,6 +740,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             "refresh_every": self.refresh_every,
             "share_projections": self.options.share_projections,
             "mismatch": self.mismatch,
+            "recent_kl": torch.tensor(list(self.kl_control.recent_kl), dtype=torch.float64),
             "nonfinite_skips": self.nonfinite_skips,
             "probe_skips": self.probe_skips,
             "polar_floor": self.polar_floor,
@@ -778,6 +789,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         )
         self.update_index = int(logra["update_index"])
         self.kl_control.mismatch = float(logra["mismatch"])
+        self.kl_control.recent_kl.clear()
+        self.kl_control.recent_kl.extend(torch.as_tensor(logra.get("recent_kl", [])).tolist())
         self.nonfinite_skips = int(logra["nonfinite_skips"])
         self.probe_skips = int(logra["probe_skips"])
         self.polar_floor = float(logra.get("polar_floor", POLAR_FLOOR))

@@ -136,6 +136,8 @@ class KLOptions:
     realised_kl_tolerance: float = 0.1
     realised_kl_retries: int = 3
     mismatch_ema: float = 0.3
+    kl_floor: float | None = None
+    kl_floor_window: int = 20
 
     def __post_init__(self) -> None:
         if self.budget is not None and not callable(self.budget):
@@ -166,6 +168,17 @@ class KLOptions:
         positive("fd_epsilon", self.fd_epsilon)
         positive("realised_kl_tolerance", self.realised_kl_tolerance)
         _non_negative_int("realised_kl_retries", self.realised_kl_retries)
+        if self.kl_floor is not None and not 0.0 < self.kl_floor <= 1.0:
+            raise ValueError(
+                "kl_floor must be None or in (0, 1] (a fraction of the recent median predicted KL), "
+                f"got {self.kl_floor!r}"
+            )
+        _non_negative_int("kl_floor_window", self.kl_floor_window, minimum=1)
+        if self.kl_floor is not None and self.realised_kl_check:
+            raise ValueError(
+                "kl_floor cannot be combined with realised_kl_check: the floor keeps some steps below the budget "
+                "on the probe contexts, and the check would rescale them back up to it"
+            )
         if not 0.0 < self.mismatch_ema <= 1.0:
             raise ValueError(f"mismatch_ema must be in (0, 1], got {self.mismatch_ema!r}")
         if self.realised_kl_check and self.budget is None:

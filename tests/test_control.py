@@ -6,6 +6,8 @@ validation."""
 from __future__ import annotations
 
 import copy
+import io
+import math
 import warnings
 
 import pytest
@@ -88,6 +90,44 @@ def test_mismatch_lowers_the_effective_budget_and_is_saved(fitted_model):
     fresh = LoGRAOptimizer(patch_model(copy.deepcopy(base)), rank=16, kl_budget=1e-4)
     fresh.load_state_dict(state)
     assert fresh.mismatch == pytest.approx(kappa) and fresh.update_index == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# The floor on the predicted KL
+
+
+def test_the_kl_floor_takes_the_median_of_the_previous_window_and_resumes(fitted_model):
+    """On a real model, update by update: ``q`` as the probe measured it, the floored ``q`` the step
+    was scaled to (the median of the previous ``kl_floor_window`` updates' ``q`` times ``kl_floor``,
+    from the first full window on), α from it; the window is saved and resumed. ``kl_floor=1`` puts
+    the floor at the median itself, so that it binds on some of these updates."""
+    import statistics
+
+    base, batch = fitted_model
+    model = patch_model(copy.deepcopy(base))
+    options = dict(rank=16, kl_budget=1e-4, update_ratio=5e-3, alpha_max=100.0, kl_floor=1.0, kl_floor_window=3)
+    opt = LoGRAOptimizer(model, **options)
+    measured, bound = [], 0
+    for update in range(8):
+        model(**batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        q, used = opt.stats["predicted_kl"], opt.stats["predicted_kl_used"]
+        expected = max(q, statistics.median(measured[-3:])) if update >= 3 else q
+        assert used == pytest.approx(expected, rel=1e-12)
+        assert opt.stats["alpha"] == pytest.approx(math.sqrt(1e-4 / used), rel=1e-9)
+        assert opt.stats["predicted_step_kl"] == pytest.approx(opt.stats["alpha"] ** 2 * q, rel=1e-9)
+        bound += used > q
+        measured.append(q)
+    assert bound >= 1  # the floor did bind (else this test would check nothing of it)
+    state = opt.state_dict()
+    assert state["logra"]["recent_kl"].tolist() == pytest.approx(measured[-3:], rel=1e-12)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    fresh = LoGRAOptimizer(patch_model(copy.deepcopy(base)), **options)
+    fresh.load_state_dict(torch.load(buffer, weights_only=True))
+    assert list(fresh.kl_control.recent_kl) == pytest.approx(measured[-3:], rel=1e-12)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -231,6 +271,10 @@ def test_non_finite_prediction_skips_the_step(fitted_model):
         (dict(kl_budget=1e-4, probe_positions=2.5), "probe_positions must be a positive integer"),
         (dict(kl_budget=1e-4, fd_epsilon=-1.0), "fd_epsilon"),
         (dict(kl_budget=1e-4, mismatch_ema=0.0), "mismatch_ema"),
+        (dict(kl_budget=1e-4, kl_floor=0.0), "kl_floor must be None or in"),
+        (dict(kl_budget=1e-4, kl_floor=1.5), "kl_floor must be None or in"),
+        (dict(kl_budget=1e-4, kl_floor_window=0), "kl_floor_window"),
+        (dict(kl_budget=1e-4, kl_floor=0.25, realised_kl_check=True), "kl_floor cannot be combined"),
         (dict(kl_budget=1e-4, probe_dtype=torch.float64), "probe_dtype must be None or torch.bfloat16"),
         (dict(kl_budget=1e-4, probe_dtype=torch.float16), "probe_dtype must be None or torch.bfloat16"),
         (dict(kl_budget=1e-4, probe_dtype=torch.bfloat16, probe="finite_difference"), "probe_dtype.*needs probe='jvp'"),

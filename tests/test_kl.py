@@ -19,6 +19,7 @@ from logra_optim.kl import (
     effective_budget,
     exact_kl_terms,
     fisher_kl_terms,
+    floored_kl,
     mismatch_sample,
     step_scale,
 )
@@ -107,6 +108,29 @@ def test_step_scale_lands_on_the_budget_or_the_cap(q, budget, alpha_max):
     alpha = step_scale(q, budget, alpha_max)
     assert alpha == pytest.approx(min(alpha_max, math.sqrt(budget / q)))
     assert alpha**2 * q <= budget * (1 + 1e-9)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    q=st.floats(1e-12, 1e3),
+    recent=st.lists(st.floats(1e-12, 1e3), min_size=1, max_size=30),
+    fraction=st.floats(1e-3, 1.0),
+    budget=st.floats(1e-8, 1.0),
+)
+def test_the_kl_floor_caps_alpha_relative_to_the_recent_median(q, recent, fraction, budget):
+    """Against a float64 median: the floor never lowers ``q``, leaves it where it is at least the
+    floor, and bounds α at ``1/sqrt(fraction)`` times what the recent median ``q`` would give."""
+    median = float(torch.tensor(recent, dtype=torch.float64).quantile(0.5))
+    floored = floored_kl(q, recent, fraction)
+    assert floored == pytest.approx(max(q, fraction * median), rel=1e-12)
+    assert floored >= q and (floored == q or q < fraction * median)
+    alpha = step_scale(floored, budget, alpha_max=1e9)
+    assert alpha <= math.sqrt(budget / (fraction * median)) * (1 + 1e-9)
+    assert alpha <= step_scale(q, budget, alpha_max=1e9) * (1 + 1e-12)
+
+
+def test_no_recent_updates_no_floor():
+    assert floored_kl(1e-9, [], 0.25) == 1e-9
 
 
 def test_step_scale_edge_cases():

@@ -115,6 +115,9 @@ class DemoSettings:
     # LoGRA's realised-KL check: measure each update's KL on the probe contexts after the merge and
     # redo it with a rescaled α when it misses the budget by more than 10%.
     realised_kl_check: bool = False
+    # LoGRA's floor on the predicted KL, a fraction of its median over the last 20 updates (kl_floor;
+    # None: no floor).
+    kl_floor: float | None = None
     # Activation checkpointing for every method (TRL's GRPOConfig turns it on by default). Off here:
     # on the demo's CPU run it made every method's update slower (dense AdamW 0.70 s instead of
     # 0.37–0.43) and the run 15 minutes long (docs/benchmarks.md, "The demo").
@@ -661,6 +664,7 @@ def run_worker(spec: dict) -> dict:
             refresh_every=settings.refresh_every,
             probe_dtype=None if probe_dtype is None else getattr(torch, probe_dtype),
             realised_kl_check=settings.realised_kl_check,
+            kl_floor=settings.kl_floor,
         )
     started = time.perf_counter()
     trainer.train()
