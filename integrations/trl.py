@@ -52,6 +52,7 @@ _LOGGED_STATS = {
     "alpha": "logra/alpha",
     "eta": "logra/eta",
     "predicted_kl": "logra/predicted_kl",
+    "predicted_kl_used": "logra/predicted_kl_used",
     "predicted_step_kl": "logra/predicted_step_kl",
     "kl_budget": "logra/kl_budget",
     "kl_budget_effective": "logra/kl_budget_effective",

@@ -207,10 +207,13 @@ class KLController:
         if not math.isfinite(q) or q < 0:
             raise UpdateSkipped(f"predicted KL q={q} at update {update}", "probe")
         self._warn_if_low_precision(targets)
-        # The floor applies once a full window of updates has been probed.
+        # The floor applies once a full window of updates has been probed. q = 0 (a zero sketch,
+        # e.g. a batch of equal rewards) gives α = 1 as without a floor, and says nothing about the
+        # scale of q, so it is not kept either.
         full = options.kl_floor is not None and len(self.recent_kl) == self.recent_kl.maxlen
-        q_used = floored_kl(q, self.recent_kl, options.kl_floor) if full else q
-        self.recent_kl.append(q)
+        q_used = floored_kl(q, self.recent_kl, options.kl_floor) if full and q > 0 else q
+        if q > 0:
+            self.recent_kl.append(q)
         alpha = step_scale(q_used, budget_eff, options.alpha_max)
         stats = {
             "predicted_kl": q,

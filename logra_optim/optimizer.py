@@ -740,7 +740,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             "refresh_every": self.refresh_every,
             "share_projections": self.options.share_projections,
             "mismatch": self.mismatch,
-            "recent_kl": torch.tensor(list(self.kl_control.recent_kl), dtype=torch.float64),
+            # A list, not a tensor: its length grows with the first updates, and
+            # torch.distributed.checkpoint loads tensors into the shapes of a fresh optimizer's.
+            "recent_kl": list(self.kl_control.recent_kl),
             "nonfinite_skips": self.nonfinite_skips,
             "probe_skips": self.probe_skips,
             "polar_floor": self.polar_floor,
@@ -790,7 +792,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self.update_index = int(logra["update_index"])
         self.kl_control.mismatch = float(logra["mismatch"])
         self.kl_control.recent_kl.clear()
-        self.kl_control.recent_kl.extend(torch.as_tensor(logra.get("recent_kl", [])).tolist())
+        self.kl_control.recent_kl.extend(float(q) for q in logra.get("recent_kl", []))
         self.nonfinite_skips = int(logra["nonfinite_skips"])
         self.probe_skips = int(logra["probe_skips"])
         self.polar_floor = float(logra.get("polar_floor", POLAR_FLOOR))

@@ -168,7 +168,10 @@ class KLOptions:
         positive("fd_epsilon", self.fd_epsilon)
         positive("realised_kl_tolerance", self.realised_kl_tolerance)
         _non_negative_int("realised_kl_retries", self.realised_kl_retries)
-        if self.kl_floor is not None and not 0.0 < self.kl_floor <= 1.0:
+        floor = self.kl_floor
+        if floor is not None and (
+            isinstance(floor, bool) or not isinstance(floor, numbers.Real) or not 0.0 < floor <= 1.0
+        ):
             raise ValueError(
                 "kl_floor must be None or in (0, 1] (a fraction of the recent median predicted KL), "
                 f"got {self.kl_floor!r}"

@@ -121,7 +121,7 @@ def test_the_kl_floor_takes_the_median_of_the_previous_window_and_resumes(fitted
         measured.append(q)
     assert bound >= 1  # the floor did bind (else this test would check nothing of it)
     state = opt.state_dict()
-    assert state["logra"]["recent_kl"].tolist() == pytest.approx(measured[-3:], rel=1e-12)
+    assert state["logra"]["recent_kl"] == pytest.approx(measured[-3:], rel=1e-12)
     buffer = io.BytesIO()
     torch.save(state, buffer)
     buffer.seek(0)
@@ -273,6 +273,8 @@ def test_non_finite_prediction_skips_the_step(fitted_model):
         (dict(kl_budget=1e-4, mismatch_ema=0.0), "mismatch_ema"),
         (dict(kl_budget=1e-4, kl_floor=0.0), "kl_floor must be None or in"),
         (dict(kl_budget=1e-4, kl_floor=1.5), "kl_floor must be None or in"),
+        (dict(kl_budget=1e-4, kl_floor=True), "kl_floor must be None or in"),
+        (dict(kl_budget=1e-4, kl_floor="0.25"), "kl_floor must be None or in"),
         (dict(kl_budget=1e-4, kl_floor_window=0), "kl_floor_window"),
         (dict(kl_budget=1e-4, kl_floor=0.25, realised_kl_check=True), "kl_floor cannot be combined"),
         (dict(kl_budget=1e-4, probe_dtype=torch.float64), "probe_dtype must be None or torch.bfloat16"),
