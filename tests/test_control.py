@@ -130,6 +130,37 @@ def test_the_kl_floor_takes_the_median_of_the_previous_window_and_resumes(fitted
     assert list(fresh.kl_control.recent_kl) == pytest.approx(measured[-3:], rel=1e-12)
 
 
+def test_a_resumed_run_floors_as_the_uninterrupted_one(fitted_model):
+    """Checkpointed mid-run (model and optimizer through ``torch.load(weights_only=True)``), the
+    resumed run takes the same α, floor and all, as the run that went on."""
+    base, batch = fitted_model
+    options = dict(rank=16, kl_budget=1e-4, update_ratio=5e-3, alpha_max=100.0, kl_floor=1.0, kl_floor_window=3)
+    model = patch_model(copy.deepcopy(base))
+    opt = LoGRAOptimizer(model, **options)
+
+    def updates(model, opt, n):
+        stats = []
+        for _ in range(n):
+            model(**batch).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            stats.append((opt.stats["alpha"], opt.stats["predicted_kl"], opt.stats["predicted_kl_used"]))
+        return stats
+
+    updates(model, opt, 4)
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buffer)
+    went_on = updates(model, opt, 4)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    resumed_model = patch_model(copy.deepcopy(base))
+    resumed_model.load_state_dict(saved["model"])
+    resumed = LoGRAOptimizer(resumed_model, **options)
+    resumed.load_state_dict(saved["optimizer"])
+    assert updates(resumed_model, resumed, 4) == went_on
+    assert any(used > q for _, q, used in went_on)  # the floor bound after the checkpoint
+
+
 # ------------------------------------------------------------------------------------------------
 # Budgets
 
