@@ -88,7 +88,7 @@ class KLController:
         self.options = options
         self.logits_fn = options.probe_logits_fn or default_logits_fn
         self.mismatch = 0.0  # κ
-        # The probes' q of the latest updates (every rank's the same), for the floor (kl_floor).
+        # With kl_floor: the probes' q of the latest updates (every rank's the same).
         self.recent_kl: collections.deque[float] = collections.deque(maxlen=options.kl_floor_window)
         self._ranks, self._fsdp2 = ranks, list(fsdp2)
         self._explicit: ProbeContexts | None = None
@@ -210,9 +210,10 @@ class KLController:
         # The floor applies once a full window of updates has been probed. q = 0 (a zero sketch,
         # e.g. a batch of equal rewards) gives α = 1 as without a floor, and says nothing about the
         # scale of q, so it is not kept either.
-        full = options.kl_floor is not None and len(self.recent_kl) == self.recent_kl.maxlen
-        q_used = floored_kl(q, self.recent_kl, options.kl_floor) if full and q > 0 else q
-        if q > 0:
+        q_used = q
+        if options.kl_floor is not None and q > 0:
+            if len(self.recent_kl) == self.recent_kl.maxlen:
+                q_used = floored_kl(q, self.recent_kl, options.kl_floor)
             self.recent_kl.append(q)
         alpha = step_scale(q_used, budget_eff, options.alpha_max)
         stats = {
