@@ -109,6 +109,7 @@ def test_peers_are_opt_in_with_their_own_learning_rates(tmp_path):
         (["--apollo-mini-lr", "inf"], "--apollo-mini-lr"),
         (["--probe-samples", "25"], "--probe-samples must be ≤ 24"),  # the KL meter needs 8 other rows
         (["--probe-samples", "0"], "--probe-samples"),
+        (["--probe-dtype", "float16"], "--probe-dtype"),
     ],
 )
 def test_bad_peer_options_name_the_option(capsys, tmp_path, argv, expected):
@@ -243,3 +244,22 @@ def test_demo_worker_runs_logra_with_the_direction_asked_for(warm_settings, monk
     assert len(calls) == 3 * len(optimizer.targets)  # every target, every one of the 3 updates
     with pytest.raises(ValueError, match="direction must be one of rowadam, orthogonal, sgd"):
         demo.DemoSettings(output="", direction="muon")
+
+
+@pytest.mark.parametrize("choice, dtype", [("auto", None), ("float32", None), ("bfloat16", torch.bfloat16)])
+def test_demo_worker_probes_in_the_dtype_asked_for(warm_settings, monkeypatch, tmp_path, choice, dtype):
+    """``--probe-dtype``: float32 is the weights' own precision (no low-precision products), bfloat16
+    the probe's bf16 products, auto fp32 on a CPU whatever its instructions (bf16 on CUDA GPUs); the
+    record says which ran, and a bad value is refused by name."""
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    assert demo.settings_from(parser.parse_args(["--output", str(tmp_path)]), parser).probe_dtype == "auto"
+    argv = ["--probe-dtype", choice, "--output", str(tmp_path)]
+    assert demo.settings_from(parser.parse_args(argv), parser).probe_dtype == choice
+    record, seen = run_observed(monkeypatch, asdict(warm_settings) | {"probe_dtype": choice}, "logra")
+    optimizer = seen["trainer"].optimizer.optimizer
+    assert optimizer.kl_control.options.probe_dtype is dtype
+    assert record["probe_dtype"] == (None if dtype is None else "bfloat16")
+    assert all(stats > 0 for stats in record["logra_stats"]["logra/probe_seconds"])
+    with pytest.raises(ValueError, match="probe_dtype must be one of auto, float32, bfloat16 or None"):
+        demo.DemoSettings(output="", probe_dtype="float16")

@@ -43,7 +43,7 @@ from ..probe import spread_rows
 from .arguments import choice_list, device, int_list, model_dir, positive_float, positive_int, writable_dir
 from .measure import (
     MIB,
-    faster_probe_dtype,
+    auto_probe_dtype,
     memory_baseline,
     peak_memory,
     percentile_95,
@@ -79,6 +79,7 @@ LABELS = {
 }
 SPECIAL_TOKENS = {"pad": "<pad>", "eos": "<eos>", "unk": "<unk>", "bos": "<bos>"}
 EVAL_PROBLEMS = 256
+PROBE_DTYPES = ("auto", "float32", "bfloat16")  # --probe-dtype
 EVAL_SEED = 65_535  # training draws use seeds 0…, 10 000 + seed (warm start) and 20 000 (validation)
 
 
@@ -103,10 +104,10 @@ class DemoSettings:
     # update moves the rest of the batch has a wide tail here; 8 (a quarter of the batch) costs about
     # what LoGRA saves in the backward (docs/benchmarks.md: how many sequences the KL probe reads).
     probe_samples: int = 8
-    # The probe's dual forward in bf16 (its products, as a bf16 training forward's; the KL math stays
-    # float64): about a third less probe time where bf16 products are fast, prediction within a
-    # percent (docs/benchmarks.md). "auto": bf16 where a bf16 product of the probe's shape measures
-    # faster than an fp32 one (GPUs; CPUs with bf16 instructions), else fp32; None: fp32.
+    # The probe's products in bf16 (as a bf16 training forward's; the KL math stays float64): prediction
+    # within a percent, a third less probe time where bf16 products are fast (docs/benchmarks.md).
+    # "auto": bf16 on CUDA GPUs with native bf16, fp32 on CPUs (measure.auto_probe_dtype says why);
+    # "float32" (or None) and "bfloat16" force one.
     probe_dtype: str | None = "auto"
     # LoGRA's first moment in sketch space and how many updates keep one projection (docs/method.md §2).
     beta1: float = 0.9
@@ -161,6 +162,8 @@ class DemoSettings:
         self.warm_start_lr = self.warm_start_lr or rates.warm_start
         if self.direction not in DIRECTIONS:
             raise ValueError(f"direction must be one of {', '.join(DIRECTIONS)}, got {self.direction!r}")
+        if self.probe_dtype is not None and self.probe_dtype not in PROBE_DTYPES:
+            raise ValueError(f"probe_dtype must be one of {', '.join(PROBE_DTYPES)} or None, got {self.probe_dtype!r}")
         if self.peer_scope not in PEER_SCOPES:
             raise ValueError(f"peer_scope must be one of {', '.join(PEER_SCOPES)}, got {self.peer_scope!r}")
         rate = self.logra_non_target_lr
@@ -207,6 +210,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=defaults.probe_samples,
         help=f"sequences of each batch ({defaults.batch_size}) that LoGRA's KL probe reads; the KL meter reads "
         f"{KL_METER_SAMPLES} others",
+    )
+    parser.add_argument(
+        "--probe-dtype",
+        choices=PROBE_DTYPES,
+        default=defaults.probe_dtype,
+        help="the matrix products of LoGRA's KL probe: float32 (the weights'), bfloat16, or auto: bfloat16 on CUDA "
+        "GPUs with native bf16, float32 on CPUs",
     )
     parser.add_argument(
         "--beta1", type=float, default=defaults.beta1, help="LoGRA's first-moment decay in sketch space (0: none)"
@@ -318,6 +328,7 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         rank=args.rank,
         kl_budget=args.kl_budget,
         probe_samples=args.probe_samples,
+        probe_dtype=args.probe_dtype,
         beta1=args.beta1,
         refresh_every=args.refresh_every,
         direction=args.direction,
@@ -635,10 +646,9 @@ def run_worker(spec: dict) -> dict:
     if method == "logra":
         from logra_optim.integrations.trl import attach_logra  # imports transformers
 
-        probe_dtype = settings.probe_dtype
-        if probe_dtype == "auto":  # the probe's products: about 64 tokens through the MLP's widest matrix
-            config = model.config
-            probe_dtype = faster_probe_dtype(device, 64, config.hidden_size, config.intermediate_size)
+        probe_dtype = None if settings.probe_dtype == "float32" else settings.probe_dtype
+        if probe_dtype == "auto":
+            probe_dtype = auto_probe_dtype(device)
 
         non_targets = {}
         if settings.logra_non_target_lr is not None:  # patched here, before attach_logra would freeze them

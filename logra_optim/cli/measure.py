@@ -14,7 +14,6 @@ import math
 import resource
 import statistics
 import sys
-import time
 
 import torch
 
@@ -35,27 +34,18 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def faster_probe_dtype(device: str, rows: int, width: int, out: int) -> str | None:
-    """``"bfloat16"`` where the probe's bf16 products are faster than fp32 ones on ``device``, else
-    ``None`` (the weights' fp32). CUDA GPUs from Ampere on compute bf16 natively; CPUs do only with
-    bf16 instructions (AVX512-BF16, AMX), and without them a bf16 product can take several times an
-    fp32 one, so there it is measured (a few ms): primal and tangent rows (``2·rows × width``) by
-    ``width × out``, with the bf16 side paying its casts of the input, the weight and the result."""
-    if device.startswith("cuda"):
-        return "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else None
-    x, w = torch.randn(2 * rows, width), torch.randn(out, width)
-    products = {
-        torch.float32: lambda: x @ w.T,
-        torch.bfloat16: lambda: (x.to(torch.bfloat16) @ w.to(torch.bfloat16).T).float(),
-    }
-    timings = {}
-    for dtype, product in products.items():
-        product()  # warm-up
-        started = time.perf_counter()
-        for _ in range(5):
-            product()
-        timings[dtype] = time.perf_counter() - started
-    return "bfloat16" if timings[torch.bfloat16] < 0.9 * timings[torch.float32] else None
+def auto_probe_dtype(device: str) -> str | None:
+    """``"bfloat16"`` on CUDA GPUs that compute bf16 natively (Ampere on), else ``None`` (the
+    weights' fp32).
+
+    Not on CPUs, even with bf16 instructions: there the probe's bf16 products go through oneDNN,
+    whose kernels and allocations kept the demo's resident memory about 30 MiB higher (LoGRA at
+    0.54× dense AdamW's peak instead of 0.48×) to save 15–20 ms of a 0.35–0.40 s update
+    (docs/benchmarks.md, "The probe's precision"); without bf16 instructions a bf16 product takes
+    about 4× an fp32 one."""
+    if device.startswith("cuda") and torch.cuda.is_bf16_supported(including_emulation=False):
+        return "bfloat16"
+    return None
 
 
 def peak_rss_bytes() -> int:
