@@ -109,16 +109,24 @@ def first_moment(
     return moment_new / (1.0 - beta1**step), moment_new
 
 
+# Eigenvalues of A Aᵀ below this fraction of the largest are zero: singular values of A below 1e-6.
+_GRAM_RTOL = 1e-12
+
+
 def basis_change(old_projection: torch.Tensor, new_projection: torch.Tensor) -> torch.Tensor:
     """The ``r×r`` matrix ``T`` that carries a low-rank factor from ``A_old`` to ``A_new``:
     ``(M T) A_new`` is the orthogonal projection of ``M A_old`` onto the row space of ``A_new``,
     the closest matrix to ``M A_old`` that the new basis can express (least squares, row by row).
 
     ``T = A_old A_newᵀ (A_new A_newᵀ)⁺`` in float64, which is ``A_old · pinv(A_new)`` (``A_new`` may
-    be rank-deficient, e.g. a square Rademacher draw, hence the pseudo-inverse). Through the ``r×r``
-    Gram matrix rather than an SVD of the ``r×k`` ``A_new``: the same ``T`` to about 1e-15, and 6–9×
-    faster (0.97 against 6.2 ms at 32×2816, 75 against 698 ms at 256×14336, on 2 CPU cores). For
-    ``A_new = A_old`` it is the identity.
+    be rank-deficient: a square Rademacher draw can be, and ``r > k`` always is). Through the ``r×r``
+    Gram matrix rather than an SVD of the ``r×k`` ``A_new``: 6–9× faster (0.97 against 6.2 ms at
+    32×2816, 75 against 698 ms at 256×14336, on 2 CPU cores), and the same ``T`` to about 1e-15 for
+    the well-conditioned draws of ``r ≪ k``. The Gram matrix squares ``A_new``'s condition number, so
+    singular values below ``1e-6`` of the largest count as zero (``_GRAM_RTOL`` on its eigenvalues;
+    an SVD keeps them down to about ``1e-16·k``). That cut-off stays above the rounding of a null
+    direction (at most about ``1e-16·k`` of the largest eigenvalue) wherever one exists, ``k ≤ r``.
+    For ``A_new = A_old`` it is the identity.
 
     Why a projection and not Flora's ``A_old A_newᵀ``: the latter is unbiased over draws of ``A_new``
     but, for independent draws, multiplies the factor's norm by about ``sqrt(k/r)`` with noise
@@ -133,7 +141,7 @@ def basis_change(old_projection: torch.Tensor, new_projection: torch.Tensor) -> 
             f"new {tuple(new_projection.shape)}"
         )
     new = new_projection.double()
-    transfer = (old_projection.double() @ new.T) @ torch.linalg.pinv(new @ new.T, hermitian=True)
+    transfer = (old_projection.double() @ new.T) @ torch.linalg.pinv(new @ new.T, rtol=_GRAM_RTOL, hermitian=True)
     return transfer.to(torch.float32)
 
 

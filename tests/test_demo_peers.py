@@ -263,3 +263,33 @@ def test_demo_worker_probes_in_the_dtype_asked_for(warm_settings, monkeypatch, t
     assert all(stats > 0 for stats in record["logra_stats"]["logra/probe_seconds"])
     with pytest.raises(ValueError, match="probe_dtype must be one of auto, float32, bfloat16 or None"):
         demo.DemoSettings(output="", probe_dtype="float16")
+
+
+def test_auto_probe_dtype_is_bf16_on_native_bf16_gpus_only(monkeypatch):
+    """``auto``: fp32 on every CPU (bf16 instructions or not), bf16 on a CUDA device that computes it
+    natively, fp32 on one that would emulate it; bf16 is refused beside the realised-KL check."""
+    from logra_optim.cli.measure import auto_probe_dtype
+
+    assert auto_probe_dtype("cpu") is None
+    for native, expected in ((True, "bfloat16"), (False, None)):
+        asked = []
+        monkeypatch.setattr(
+            torch.cuda,
+            "is_bf16_supported",
+            lambda including_emulation=True: asked.append(including_emulation) or native,
+        )
+        assert auto_probe_dtype("cuda:1") == expected and asked == [False]
+    with pytest.raises(ValueError, match="probe_dtype='bfloat16' cannot be combined with realised_kl_check"):
+        demo.DemoSettings(output="", probe_dtype="bfloat16", realised_kl_check=True)
+    assert demo.DemoSettings(output="", realised_kl_check=True).probe_dtype == "auto"
+
+
+def test_auto_probe_dtype_stays_fp32_under_the_realised_kl_check(warm_settings, monkeypatch):
+    """On a machine where ``auto`` would choose bf16 (here: told so), a run with the realised-KL
+    check probes in fp32, which the check needs, instead of failing in the optimizer."""
+    monkeypatch.setattr(demo, "auto_probe_dtype", lambda device: "bfloat16")
+    record, seen = run_observed(monkeypatch, asdict(warm_settings) | {"realised_kl_check": True}, "logra")
+    assert seen["trainer"].optimizer.optimizer.kl_control.options.probe_dtype is None
+    assert record["probe_dtype"] is None
+    record, seen = run_observed(monkeypatch, asdict(warm_settings), "logra")
+    assert seen["trainer"].optimizer.optimizer.kl_control.options.probe_dtype is torch.bfloat16

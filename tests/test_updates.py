@@ -211,6 +211,27 @@ def test_basis_change_is_the_least_squares_projection_onto_the_new_basis(d, r, e
     assert (moved.double() @ new.double()).norm() <= (moment.double() @ old.double()).norm() * (1 + 1e-4)
 
 
+@given(
+    d=st.integers(1, 10),
+    r=st.integers(2, 8),
+    short=st.integers(0, 7),
+    kind=st.sampled_from(["rademacher", "gaussian"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+@settings(max_examples=60)
+def test_basis_change_of_a_rank_deficient_basis_is_the_minimum_norm_solution(d, r, short, kind, seed):
+    """``k ≤ r``: ``A_new`` has a null space (``r − k`` directions at least, more for a singular square
+    Rademacher draw). The carried moment itself, not only its image ``M' A_new``, is the float64
+    minimum-norm least-squares solution: nothing of it lies along directions ``A_new`` cannot express."""
+    k = max(1, r - short)
+    old, new = (make_projection(seed + i, r, k, kind) for i in (0, 1))
+    moment = torch.randn(d, r, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).float()
+    moved = carry_first_moment(moment, basis_change(old, new))
+    expected = carried(moment, old, new)
+    scale = moment.abs().max().item() * (1.0 + float(torch.linalg.pinv(new.double()).abs().max()))
+    torch.testing.assert_close(moved.double(), expected, rtol=0, atol=1e-4 * scale)
+
+
 def test_basis_change_of_a_basis_to_itself_is_the_identity():
     a = make_projection(3, 6, 40)
     torch.testing.assert_close(basis_change(a, a), torch.eye(6), rtol=0, atol=1e-6)

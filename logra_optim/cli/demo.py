@@ -164,6 +164,11 @@ class DemoSettings:
             raise ValueError(f"direction must be one of {', '.join(DIRECTIONS)}, got {self.direction!r}")
         if self.probe_dtype is not None and self.probe_dtype not in PROBE_DTYPES:
             raise ValueError(f"probe_dtype must be one of {', '.join(PROBE_DTYPES)} or None, got {self.probe_dtype!r}")
+        if self.probe_dtype == "bfloat16" and self.realised_kl_check:
+            raise ValueError(
+                "probe_dtype='bfloat16' cannot be combined with realised_kl_check (which compares rounded logits); "
+                "use probe_dtype='float32' or 'auto'"
+            )
         if self.peer_scope not in PEER_SCOPES:
             raise ValueError(f"peer_scope must be one of {', '.join(PEER_SCOPES)}, got {self.peer_scope!r}")
         rate = self.logra_non_target_lr
@@ -647,8 +652,8 @@ def run_worker(spec: dict) -> dict:
         from logra_optim.integrations.trl import attach_logra  # imports transformers
 
         probe_dtype = None if settings.probe_dtype == "float32" else settings.probe_dtype
-        if probe_dtype == "auto":
-            probe_dtype = auto_probe_dtype(device)
+        if probe_dtype == "auto":  # the realised-KL check needs fp32 products
+            probe_dtype = None if settings.realised_kl_check else auto_probe_dtype(device)
 
         non_targets = {}
         if settings.logra_non_target_lr is not None:  # patched here, before attach_logra would freeze them
