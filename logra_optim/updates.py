@@ -120,8 +120,8 @@ def basis_change(old_projection: torch.Tensor, new_projection: torch.Tensor) -> 
 
     ``T = A_old A_newᵀ (A_new A_newᵀ)⁺`` in float64, which is ``A_old · pinv(A_new)`` (``A_new`` may
     be rank-deficient: a square Rademacher draw can be, and ``r > k`` always is). Through the ``r×r``
-    Gram matrix rather than an SVD of the ``r×k`` ``A_new``: 6–9× faster (0.97 against 6.2 ms at
-    32×2816, 75 against 698 ms at 256×14336, on 2 CPU cores), and the same ``T`` to about 1e-15 for
+    Gram matrix rather than an SVD of the ``r×k`` ``A_new``: 6–7× faster on 2 CPU cores
+    (docs/benchmarks.md, "The first moment's basis change"), and the same ``T`` to about 1e-15 for
     the well-conditioned draws of ``r ≪ k``. The Gram matrix squares ``A_new``'s condition number, so
     singular values below ``1e-6`` of the largest count as zero (``_GRAM_RTOL`` on its eigenvalues;
     an SVD keeps them down to about ``1e-16·k``). That cut-off stays above the rounding of a null

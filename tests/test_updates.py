@@ -188,20 +188,23 @@ def test_first_moment_rejects_bad_arguments_and_does_not_mutate():
     assert torch.equal(moment, torch.ones(3, 2))
 
 
-@given(
-    d=st.integers(1, 10),
-    r=st.integers(1, 6),
-    extra=st.integers(0, 20),
-    kind=st.sampled_from(["rademacher", "gaussian"]),
-    seed=st.integers(0, 2**31 - 1),
+def carried_both_ways(d: int, r: int, k: int, kind: str, seed: int):
+    """``(moment, A_old, A_new, carried by basis_change, float64 lstsq reference)`` for one draw."""
+    old, new = (make_projection(seed + i, r, k, kind) for i in (0, 1))
+    moment = torch.randn(d, r, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).float()
+    return moment, old, new, carry_first_moment(moment, basis_change(old, new)), carried(moment, old, new)
+
+
+basis_draws = dict(
+    d=st.integers(1, 10), kind=st.sampled_from(["rademacher", "gaussian"]), seed=st.integers(0, 2**31 - 1)
 )
+
+
+@given(r=st.integers(1, 6), extra=st.integers(0, 20), **basis_draws)
 @settings(max_examples=60)
 def test_basis_change_is_the_least_squares_projection_onto_the_new_basis(d, r, extra, kind, seed):
     k = r + extra
-    old, new = (make_projection(seed + i, r, k, kind) for i in (0, 1))
-    moment = torch.randn(d, r, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).float()
-    moved = carry_first_moment(moment, basis_change(old, new))
-    expected = carried(moment, old, new)
+    moment, old, new, moved, expected = carried_both_ways(d, r, k, kind, seed)
     # Compared where it matters, in weight space: (M T) A_new against the float64 projection.
     scale = (moment.double() @ old.double()).abs().max().item() + 1e-30
     torch.testing.assert_close(
@@ -211,23 +214,13 @@ def test_basis_change_is_the_least_squares_projection_onto_the_new_basis(d, r, e
     assert (moved.double() @ new.double()).norm() <= (moment.double() @ old.double()).norm() * (1 + 1e-4)
 
 
-@given(
-    d=st.integers(1, 10),
-    r=st.integers(2, 8),
-    short=st.integers(0, 7),
-    kind=st.sampled_from(["rademacher", "gaussian"]),
-    seed=st.integers(0, 2**31 - 1),
-)
+@given(r=st.integers(2, 8), short=st.integers(0, 7), **basis_draws)
 @settings(max_examples=60)
 def test_basis_change_of_a_rank_deficient_basis_is_the_minimum_norm_solution(d, r, short, kind, seed):
     """``k ≤ r``: ``A_new`` has a null space (``r − k`` directions at least, more for a singular square
     Rademacher draw). The carried moment itself, not only its image ``M' A_new``, is the float64
     minimum-norm least-squares solution: nothing of it lies along directions ``A_new`` cannot express."""
-    k = max(1, r - short)
-    old, new = (make_projection(seed + i, r, k, kind) for i in (0, 1))
-    moment = torch.randn(d, r, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).float()
-    moved = carry_first_moment(moment, basis_change(old, new))
-    expected = carried(moment, old, new)
+    moment, _, new, moved, expected = carried_both_ways(d, r, max(1, r - short), kind, seed)
     scale = moment.abs().max().item() * (1.0 + float(torch.linalg.pinv(new.double()).abs().max()))
     torch.testing.assert_close(moved.double(), expected, rtol=0, atol=1e-4 * scale)
 

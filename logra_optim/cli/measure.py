@@ -40,7 +40,7 @@ def auto_probe_dtype(device: str) -> str | None:
 
     Not on CPUs, even with bf16 instructions: there the probe's bf16 products go through oneDNN,
     whose kernels and allocations kept the demo's resident memory about 30 MiB higher (LoGRA at
-    0.54× dense AdamW's peak instead of 0.48×) to save 15–20 ms of a 0.35–0.40 s update
+    0.54–0.55× dense AdamW's peak instead of 0.48×) to save 15–20 ms of a 0.35–0.40 s update
     (docs/benchmarks.md, "The probe's precision"); without bf16 instructions a bf16 product takes
     about 4× an fp32 one."""
     if device.startswith("cuda") and torch.cuda.is_bf16_supported(including_emulation=False):
