@@ -543,8 +543,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             )
             steps.append(TargetStep(index, direction, state, eta=group["lr"]))
         if group["lr_mode"] == "update_ratio":
-            projections = generated(self._projections(range(len(steps))))
-            update_sq = _floats([low_rank_sq_norm(s.direction, a) for s, a in zip(steps, projections)])
+            projections = self._projections(range(len(steps)))
+            update_sq = _floats([low_rank_sq_norm(s.direction, p.gram()) for s, p in zip(steps, projections)])
             etas = step_sizes(group["lr"], self._weight_sq_norms(sharded_sq), update_sq, group["ratio_scope"])
             for step, eta in zip(steps, etas):
                 step.eta = eta

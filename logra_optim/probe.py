@@ -125,6 +125,40 @@ def subsample_positions(contexts: ProbeContexts, limit: int | None, seed: int) -
     return contexts.select(kept.any(dim=1), kept)
 
 
+def compact_contexts(contexts: ProbeContexts) -> tuple[ProbeContexts, torch.Tensor]:
+    """``(contexts', weights)``: every distinct sequence of ``contexts`` once (same tokens, attention
+    and probe mask), cut after the last column that holds a probe position, and per probe position
+    of ``contexts'`` (row-major, as ``probe_mask`` selects them) the number of sequences it stands
+    for (float64; they sum to ``contexts.tokens``).
+
+    Why: a causal LM's logits at a position depend on the tokens up to it only, and sequences do not
+    interact within a batch, so identical sequences give identical KL terms and the columns after
+    the last probe position change none of them. GRPO's groups repeat short answers often (the demo's
+    8 probed sequences hold 4–6 distinct ones), and a sequence's last column never predicts a token.
+    ``Σ weights · q_s`` over the compact contexts is the full contexts' ``Σ q_s`` (up to the order of
+    the sum) at the cost of the distinct, shorter rows. Not for models whose sequences interact
+    within a batch (mixture-of-experts routing with a capacity limit), as for
+    :func:`subsample_positions`."""
+    mask = contexts.probe_mask
+    columns = mask.any(dim=0).nonzero()
+    width = int(columns[-1]) + 1 if columns.numel() else mask.shape[1]
+    parts = [contexts.input_ids, mask.long()]
+    if contexts.attention_mask is not None:
+        parts.append(contexts.attention_mask.long())
+    _, inverse, counts = torch.unique(torch.cat(parts, dim=1), dim=0, return_inverse=True, return_counts=True)
+    if counts.numel() == mask.shape[0] and width == mask.shape[1]:
+        return contexts, torch.ones(contexts.tokens, dtype=torch.float64, device=mask.device)
+    # One representative per distinct row: its first occurrence, in the batch's order.
+    rows = torch.arange(mask.shape[0], device=mask.device)
+    first = torch.full_like(counts, mask.shape[0]).scatter_reduce(0, inverse, rows, "amin")
+    order = first.argsort()
+    kept, multiplicity = first[order], counts[order]
+    attention = None if contexts.attention_mask is None else contexts.attention_mask[kept, :width]
+    compact = ProbeContexts(contexts.input_ids[kept, :width], attention, mask[kept, :width], contexts.temperature)
+    weights = multiplicity.unsqueeze(1).expand_as(compact.probe_mask)[compact.probe_mask].to(torch.float64)
+    return compact, weights
+
+
 class ContextRecorder:
     """Keeps ``samples`` sequences (spread over the batch; ``None``: all) of a model's latest training forward.
 
@@ -437,13 +471,19 @@ def jvp_predicted_kl(
     default ``logits_fn``, the LM head runs a chunk of positions at a time where the model allows
     it (see ``_chunkable_head``), and the base logits returned are ``None``: the full
     ``positions × vocabulary`` logits, twice over, would otherwise set the probe's memory peak at
-    large vocabularies.
+    large vocabularies. The forward then runs on :func:`compact_contexts` (each distinct sequence
+    once, cut after its last probe position), its terms weighted by how many positions each stands for.
 
     ``compute_dtype`` (bf16): the linear layers' primal and tangent products are 16-bit
     (:class:`LowPrecisionProducts`; the output embedding's excepted), everything else keeps the
     weights' precision, the low-rank term ``−(x Aᵀ) Fᵀ`` is fp32 and the KL terms float64.
     ``None``: the weights' own precision throughout. Either way outside any autocast region."""
-    split = _chunkable_head(model, contexts) if not keep_base and logits_fn is default_logits_fn else None
+    weights, split = None, None
+    # Not with base logits (returned per position of the contexts as given) or a custom logits_fn
+    # (which may pair each row with inputs of its own).
+    if not keep_base and logits_fn is default_logits_fn:
+        contexts, weights = compact_contexts(contexts)
+        split = _chunkable_head(model, contexts)
     products = None if compute_dtype is None else LowPrecisionProducts(compute_dtype)
     with (
         inference_environment(model),
@@ -455,13 +495,15 @@ def jvp_predicted_kl(
     ):
         if split is not None:
             terms = _chunked_head_kl_terms(*split, contexts, products)
-            return terms.sum(), terms.numel(), None
+            return (terms * weights).sum(), int(weights.sum()), None
         logits = logits_fn(model, contexts)
         primal, tangent = fwAD.unpack_dual(logits)
         if tangent is None:
             raise RuntimeError("KL probe: the logits carry no tangent; no patched target was on the path to them")
         base = primal[contexts.probe_mask]
         terms = fisher_kl_terms(base, tangent[contexts.probe_mask], contexts.temperature)
+    if weights is not None:
+        return (terms * weights).sum(), int(weights.sum()), None
     return terms.sum(), terms.numel(), base
 
 

@@ -20,6 +20,7 @@ import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 
 from .projection import ProjectionSpec
+from .updates import gram
 
 # An autograd Function's output requires grad only if one of its inputs does. With the embeddings
 # frozen, the first patched layer's input may not, and then no backward would ever reach it. Passing
@@ -45,6 +46,15 @@ class SharedProjection:
         self.device = torch.device("cpu" if device is None else device)
         # (weak reference to x, (x's version, A's dtype, autocast dtype), x Aᵀ), replaced as one.
         self._cached: tuple | None = None
+        self._gram: torch.Tensor | None = None
+
+    def gram(self) -> torch.Tensor:
+        """``A Aᵀ`` (r×r, fp32), computed at the first call and kept while this projection is
+        current: the step size needs ``‖U A‖²`` at every update, and ``r²`` numbers are kept instead of
+        generating ``A`` for them each time (:func:`~logra_optim.updates.low_rank_sq_norm`)."""
+        if self._gram is None:
+            self._gram = gram(self.generate())
+        return self._gram
 
     def generate(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``A`` on this projection's device, cast to ``dtype``: a new tensor at every call."""

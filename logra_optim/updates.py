@@ -186,10 +186,16 @@ def next_direction(
     return direction, new_state
 
 
-def low_rank_sq_norm(factor: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
-    """``‖F A‖_F²`` without forming the d×k product: ``Σ (FᵀF) ∘ (AAᵀ)`` (two r×r Gram matrices)."""
+def gram(projection: torch.Tensor) -> torch.Tensor:
+    """``A Aᵀ`` (r×r, an fp32 product) of a projection, for :func:`low_rank_sq_norm`."""
+    projection = projection.float()
+    return projection @ projection.t()
+
+
+def low_rank_sq_norm(factor: torch.Tensor, projection_gram: torch.Tensor) -> torch.Tensor:
+    """``‖F A‖_F²`` without forming the d×k product: ``Σ (FᵀF) ∘ (AAᵀ)``, from the projection's Gram
+    matrix ``A Aᵀ`` (:func:`gram`; it changes only when ``A`` is redrawn)."""
     factor_gram = factor.t().float() @ factor.float()
-    projection_gram = projection.float() @ projection.t().float()
     return (factor_gram.double() * projection_gram.double()).sum()
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from logra_optim import LoGRAOptimizer, patch_model
-from logra_optim.updates import low_rank_sq_norm, relative_step_size
+from logra_optim.updates import gram, low_rank_sq_norm, relative_step_size
 from tests.helpers.tiny import fixed_batch, tiny_qwen2
 
 accelerate = pytest.importorskip("accelerate")
@@ -32,7 +32,7 @@ def _unit_step_factors(opt: LoGRAOptimizer, update_ratio: float) -> list[torch.T
     """``F = η S`` with η giving ‖ΔW‖/‖W‖ = update_ratio over all targets (SGD directions)."""
     states = [t.state for t in opt.targets]
     weight_sq = sum(float(t.weight.double().square().sum()) for t in opt.targets)
-    update_sq = sum(float(low_rank_sq_norm(s.sketch, s.generate_projection())) for s in states)
+    update_sq = sum(float(low_rank_sq_norm(s.sketch, gram(s.generate_projection()))) for s in states)
     eta = relative_step_size(update_ratio, weight_sq, update_sq)
     return [s.sketch * eta for s in states]
 

@@ -16,6 +16,7 @@ from logra_optim import LoGRAOptimizer, attention, control, patch_model, probe, 
 from tests.helpers.recorders import OutputShapes
 from logra_optim.probe import (
     ProbeContexts,
+    compact_contexts,
     contexts_from_batch,
     finite_difference_predicted_kl,
     jvp_predicted_kl,
@@ -93,6 +94,49 @@ def test_subsample_positions_keeps_a_subset_of_the_asked_size_and_only_rows_that
     assert not bool((subset.probe_mask & ~probe_mask[rows]).any())  # kept positions were probe positions
     again = subsample_positions(contexts, limit, seed)
     assert torch.equal(again.probe_mask, subset.probe_mask) and torch.equal(again.input_ids, subset.input_ids)
+
+
+@given(
+    rows=st.lists(
+        st.tuples(st.integers(0, 2), st.integers(0, 1), st.lists(st.booleans(), min_size=5, max_size=5)),
+        min_size=1,
+        max_size=8,
+    ),
+    padded=st.booleans(),
+)
+def test_compact_contexts_keeps_every_prefix_term_with_its_multiplicity(rows, padded):
+    """Any per-position quantity that depends on the position's prefix only (as a causal LM's KL term
+    does) sums to the same total over the compact contexts, weighted, as over the full ones; each
+    distinct row is kept once, in first-seen order, and no column after the last probe position."""
+    input_ids = torch.tensor([[token, 1, token, 2, 3] for token, _, _ in rows])  # few tokens: duplicates
+    attention_mask = torch.tensor([[1, 1, 1, 1, open_] for _, open_, _ in rows])
+    probe_mask = torch.tensor([mask for _, _, mask in rows])
+    if padded:  # columns no row probes, as right padding leaves them
+        input_ids, attention_mask = (
+            torch.cat((t, torch.zeros_like(t[:, :2])), dim=1) for t in (input_ids, attention_mask)
+        )
+        probe_mask = torch.cat((probe_mask, torch.zeros_like(probe_mask[:, :2])), dim=1)
+    contexts = ProbeContexts(input_ids, attention_mask, probe_mask, temperature=0.7)
+
+    def prefix_terms(c: ProbeContexts) -> torch.Tensor:  # a float64 function of each position's prefix
+        weights = torch.arange(1, c.input_ids.shape[1] + 1, dtype=torch.float64)
+        mixed = (c.input_ids.double() * weights + c.attention_mask.double() * weights.sqrt()).cumsum(dim=1)
+        return torch.sin(mixed + torch.arange(c.input_ids.shape[1]))[c.probe_mask]
+
+    compact, weights = compact_contexts(contexts)
+    assert weights.dtype == torch.float64 and weights.numel() == compact.tokens
+    assert float(weights.sum()) == contexts.tokens and compact.temperature == 0.7
+    assert float((prefix_terms(compact) * weights).sum()) == pytest.approx(
+        float(prefix_terms(contexts).sum()), abs=1e-9
+    )
+    keys = torch.cat((compact.input_ids, compact.attention_mask, compact.probe_mask.long()), dim=1)
+    assert keys.unique(dim=0).shape[0] == keys.shape[0]  # each distinct row once
+    if contexts.tokens:
+        assert bool(compact.probe_mask[:, -1].any())  # cut after the last probed column
+        assert compact.input_ids.shape[1] <= 5
+    keyed = [(token, open_, tuple(mask)) for token, open_, mask in rows]
+    firsts = [keyed.index(row) for row in dict.fromkeys(keyed)]
+    assert compact.input_ids[:, 0].tolist() == [rows[i][0] for i in firsts]
 
 
 def test_subsample_positions_draws_every_position_alike():
@@ -260,6 +304,29 @@ def test_chunked_lm_head_probe_equals_the_full_logits_probe(fitted_model, monkey
     assert float(q_chunked) == pytest.approx(float(q_full), rel=1e-6)
 
 
+def test_probe_runs_once_per_distinct_sequence_and_predicts_the_same_kl(fitted_model):
+    """Without a realised-KL check the probe's dual forward reads each distinct sequence once, up to
+    its last probe position, and weights its terms: the prediction of contexts with repeated
+    sequences and unprobed trailing columns is the full contexts' one (the uncompacted path with
+    ``keep_base=True``), from a forward of fewer rows."""
+    model, opt, targets, factors, contexts = _sketched_probe_inputs(fitted_model, direction="sgd")
+    repeated = contexts.select(torch.tensor([0, 1, 0, 1, 1, 0]))
+    probe_mask = repeated.probe_mask.clone()
+    probe_mask[:, -3:] = False  # the last three columns predict no trained token
+    repeated = ProbeContexts(repeated.input_ids, repeated.attention_mask, probe_mask)
+    q_full, n_full, logits = jvp_predicted_kl(model, targets, factors, repeated, keep_base=True)
+    shapes = OutputShapes()
+    with shapes:
+        q_compact, n_compact, none = jvp_predicted_kl(model, targets, factors, repeated, keep_base=False)
+    assert logits is not None and none is None and n_compact == n_full == repeated.tokens
+    assert float(q_compact) == pytest.approx(float(q_full), rel=1e-5)
+    hidden = model.config.hidden_size
+    width = repeated.input_ids.shape[1]
+    hidden_states = [shape for shape in shapes.shapes if len(shape) == 3 and shape[-1] == hidden]
+    assert (2, width - 3, hidden) in hidden_states  # two distinct rows, three columns fewer
+    assert not any(shape[0] == 6 or shape[1] == width for shape in hidden_states)
+
+
 # ------------------------------------------------------------------------------------------------
 # Training setups and precision
 
@@ -326,7 +393,10 @@ def _scaled_logits_model(multiplier: float):
 
 
 @pytest.mark.parametrize("multiplier", [1.0, 2.0])
-def test_chunked_head_falls_back_when_it_misses_a_logit_multiplier(multiplier):
+def test_chunked_head_falls_back_when_it_misses_a_logit_multiplier(multiplier, monkeypatch):
+    chunked = []
+    terms = probe._chunked_head_kl_terms
+    monkeypatch.setattr(probe, "_chunked_head_kl_terms", lambda *a: chunked.append(1) or terms(*a))
     model = patch_model(_scaled_logits_model(multiplier))
     opt = LoGRAOptimizer(model, rank=4, kl_budget=1e-4, direction="sgd", wire_dtype=None)
     model.train()
@@ -335,9 +405,9 @@ def test_chunked_head_falls_back_when_it_misses_a_logit_multiplier(multiplier):
     factors = [s.sketch * 1e-1 for s in states]
     contexts = opt.kl_control.contexts()
     q_full, _, _ = jvp_predicted_kl(model, states, factors, contexts, keep_base=True)
-    q_fast, _, base = jvp_predicted_kl(model, states, factors, contexts, keep_base=False)
+    q_fast, _, _ = jvp_predicted_kl(model, states, factors, contexts, keep_base=False)
     assert float(q_fast) == pytest.approx(float(q_full), rel=1e-5)
-    assert (base is None) == (multiplier == 1.0)  # the chunked path only where it is exact
+    assert bool(chunked) == (multiplier == 1.0)  # the chunked path only where it is exact
     assert torch.isfinite(q_full) and float(q_full) > 0
 
 

@@ -338,18 +338,26 @@ def test_a_forward_generates_each_projection_once_and_nothing_keeps_it(monkeypat
     assert not [o for o in held if o.shape[1] in widths]
 
 
-def test_a_step_generates_each_projection_for_the_step_size_and_the_merge(monkeypatch):
-    """Outside the forward, ``A`` is generated where it is used: once per group for the step sizes
-    (``‖U A‖``) and once per group for the merge; one more pair of old and new only at a redraw with
-    a first moment to carry."""
+def test_a_step_generates_each_projection_for_the_merge_and_once_for_its_gram(monkeypatch):
+    """Outside the forward, ``A`` is generated where it is used: once per group for the merge, and
+    for the step sizes (``‖U A‖²`` from ``A Aᵀ``) only at a projection's first update, whose ``r×r``
+    Gram matrix the projection keeps until it is redrawn (one more pair of old and new ``A`` at a
+    redraw with a first moment to carry)."""
     model = patch_model(tiny_qwen2())
-    optimizer = LoGRAOptimizer(model, rank=4, update_ratio=1e-3)
+    rank = 4
+    optimizer = LoGRAOptimizer(model, rank=rank, update_ratio=1e-3, refresh_every=2)
     model.train()
-    model(**fixed_batch()).loss.backward()
-    counter = CountingGenerations(monkeypatch)
-    optimizer.step()
     groups = 4 * model.config.num_hidden_layers
-    assert len(counter.specs) == 2 * groups
+    counter = CountingGenerations(monkeypatch)
+    for update, expected in enumerate([2 * groups, groups, 2 * groups]):
+        model(**fixed_batch()).loss.backward()
+        counter.specs.clear()
+        optimizer.step()
+        optimizer.zero_grad()
+        redraw = 2 * groups if update == 1 else 0  # after the second update: old and new A per group
+        assert len(counter.specs) == expected + redraw
+    grams = {id(t.state.shared_projection): t.state.shared_projection.gram() for t in optimizer.targets}
+    assert all(g.shape == (rank, rank) and g.dtype == torch.float32 for g in grams.values())
 
 
 def test_generated_reuses_a_for_consecutive_members_of_a_group():

@@ -16,6 +16,7 @@ from logra_optim.updates import (
     basis_change,
     carry_first_moment,
     first_moment,
+    gram,
     low_rank_sq_norm,
     next_direction,
     merge_low_rank_,
@@ -269,11 +270,11 @@ def test_low_rank_sq_norm_matches_dense(d, k, r, seed):
     # Gram products in fp32: error ≤ γ · Σ(|F|ᵀ|F|)∘(|A||A|ᵀ), bounded here by a relative 1e-5
     # of the same sum taken in absolute values.
     bound = ((factor.double().abs().t() @ factor.double().abs()) * (a.double().abs() @ a.double().abs().t())).sum()
-    got = low_rank_sq_norm(factor, a)
+    got = low_rank_sq_norm(factor, gram(a))
     assert got.dtype == torch.float64
     assert abs(got.item() - dense.item()) <= 1e-5 * bound.item()
     # Also from a bf16 factor (the wire dtype).
-    got_bf16 = low_rank_sq_norm(factor.bfloat16(), a)
+    got_bf16 = low_rank_sq_norm(factor.bfloat16(), gram(a))
     dense_bf16 = (factor.bfloat16().double() @ a.double()).square().sum()
     assert abs(got_bf16.item() - dense_bf16.item()) <= 1e-5 * bound.item()
 

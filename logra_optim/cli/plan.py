@@ -15,10 +15,11 @@ Mistral-style decoders: attention q/k/v/o and a gated MLP per layer), for a per-
   default ``beta1=0.9``; ``--no-first-moment`` for ``beta1=0``) and, with ``--direction rowadam``,
   one fp32 statistic per row (the default orthogonal directions keep none), replicated on every
   GPU (each rank sketches its own tokens, then they are averaged). The
-  projections ``A`` are not kept: each is generated where it is used (forward, step size, merge)
+  projections ``A`` are not kept: each is generated where it is used (forward, probe, merge)
   and freed, so what they add is a transient of at most two of them at once, counted as two fp32
   ``r × k`` of the widest input (q/k/v share one ``A``, gate/up share one: ``share_projections``,
-  the default); activations: ``x Aᵀ`` (``r`` wide) once per input instead of the input ``x``.
+  the default), plus each shared projection's fp32 ``r × r`` Gram matrix ``A Aᵀ`` (kept for the
+  step size until ``A`` is redrawn); activations: ``x Aᵀ`` (``r`` wide) once per input instead of the input ``x``.
 * **activations** per token and layer, in elements at the activation dtype (``H`` hidden, ``I``
   intermediate, ``q`` = heads × head_dim, ``kv`` the k/v width): two RMSNorms keep ``2H`` each when
   their weights train, ``H`` when frozen (LoRA, LoGRA); attention keeps q, k, v and its output
@@ -138,6 +139,7 @@ def breakdown(shape: Shape, method: str, setting: Setting) -> dict[str, float]:
         if setting.first_moment:
             parts["first moments"] = parts["sketches"]
         parts["projections (transient)"] = 2 * 4 * _largest_projection(shape, setting)
+        parts["projection Grams"] = 4 * shape.layers * sum(rank**2 for rank in _projection_ranks(shape, setting))
         if setting.direction == "rowadam":
             parts["row statistics"] = 4 * outs
 
@@ -158,9 +160,12 @@ def breakdown(shape: Shape, method: str, setting: Setting) -> dict[str, float]:
 
 def _largest_projection(shape: Shape, setting: Setting) -> int:
     """Elements of the largest ``A`` of a layer (``r × k``; the experts' inputs at their own rank)."""
-    widths = shape.projection_widths()
-    ranks = [setting.rank] * 2 + [setting.rank_for(2 if shape.experts else 1)] * 2
-    return max(width * rank for width, rank in zip(widths, ranks))
+    return max(width * rank for width, rank in zip(shape.projection_widths(), _projection_ranks(shape, setting)))
+
+
+def _projection_ranks(shape: Shape, setting: Setting) -> list[int]:
+    """The rank of each shared projection of one layer, in ``shape.projection_widths()``'s order."""
+    return [setting.rank] * 2 + [setting.rank_for(2 if shape.experts else 1)] * 2
 
 
 # Which phase of a step holds each component (see the module docstring).
