@@ -134,7 +134,7 @@ def compact_contexts(contexts: ProbeContexts) -> tuple[ProbeContexts, torch.Tens
     Why: a causal LM's logits at a position depend on the tokens up to it only, and sequences do not
     interact within a batch, so identical sequences give identical KL terms and the columns after
     the last probe position change none of them. GRPO's groups repeat short answers often (the demo's
-    8 probed sequences hold 4–6 distinct ones), and a sequence's last column never predicts a token.
+    8 probed sequences hold 6.2 distinct ones on average), and a sequence's last column never predicts a token.
     ``Σ weights · q_s`` over the compact contexts is the full contexts' ``Σ q_s`` (up to the order of
     the sum) at the cost of the distinct, shorter rows. Not for models whose sequences interact
     within a batch (mixture-of-experts routing with a capacity limit), as for
