@@ -125,38 +125,66 @@ def subsample_positions(contexts: ProbeContexts, limit: int | None, seed: int) -
     return contexts.select(kept.any(dim=1), kept)
 
 
-def compact_contexts(contexts: ProbeContexts) -> tuple[ProbeContexts, torch.Tensor]:
-    """``(contexts', weights)``: every distinct sequence of ``contexts`` once (same tokens, attention
-    and probe mask), cut after the last column that holds a probe position, and per probe position
-    of ``contexts'`` (row-major, as ``probe_mask`` selects them) the number of sequences it stands
-    for (float64; they sum to ``contexts.tokens``).
+def compact_contexts(contexts: ProbeContexts, cut: bool = True) -> tuple[ProbeContexts, torch.Tensor]:
+    """``(contexts', weights)``: the contexts with each distinct sequence once (same tokens and
+    attention), only those that hold a probe position, and with ``cut`` none of the columns after the
+    last probe position; per probe position of ``contexts'`` (row-major, as ``probe_mask`` selects
+    them) the number of the given sequences that probe it (float64; they sum to ``contexts.tokens``).
 
     Why: a causal LM's logits at a position depend on the tokens up to it only, and sequences do not
-    interact within a batch, so identical sequences give identical KL terms and the columns after
-    the last probe position change none of them. GRPO's groups repeat short answers often (the demo's
-    8 probed sequences hold 6.2 distinct ones on average), and a sequence's last column never predicts a token.
-    ``Σ weights · q_s`` over the compact contexts is the full contexts' ``Σ q_s`` (up to the order of
-    the sum) at the cost of the distinct, shorter rows. Not for models whose sequences interact
-    within a batch (mixture-of-experts routing with a capacity limit), as for
-    :func:`subsample_positions`."""
+    interact within a batch, so identical sequences give identical KL terms at the positions they
+    probe, and the columns after the last probe position change none of them. GRPO's groups repeat
+    short answers often (the demo's 8 probed sequences hold 6.2 distinct ones on average), and a
+    sequence's last column never predicts a token. ``Σ weights · q_s`` over the compact contexts is
+    the full contexts' ``Σ q_s`` up to floating-point rounding (fewer, shorter rows in the products),
+    at the cost of the distinct, shorter rows. Not for models whose sequences interact within a
+    batch (mixture-of-experts routing with a capacity limit), as for :func:`subsample_positions`;
+    ``cut=False`` for models whose positions are encoded by the sequence's length
+    (:func:`positions_depend_on_length`)."""
     mask = contexts.probe_mask
-    columns = mask.any(dim=0).nonzero()
-    width = int(columns[-1]) + 1 if columns.numel() else mask.shape[1]
-    parts = [contexts.input_ids, mask.long()]
-    if contexts.attention_mask is not None:
-        parts.append(contexts.attention_mask.long())
-    _, inverse, counts = torch.unique(torch.cat(parts, dim=1), dim=0, return_inverse=True, return_counts=True)
-    if counts.numel() == mask.shape[0] and width == mask.shape[1]:
-        return contexts, torch.ones(contexts.tokens, dtype=torch.float64, device=mask.device)
-    # One representative per distinct row: its first occurrence, in the batch's order.
-    rows = torch.arange(mask.shape[0], device=mask.device)
-    first = torch.full_like(counts, mask.shape[0]).scatter_reduce(0, inverse, rows, "amin")
+    if contexts.tokens == 0:
+        return contexts, torch.zeros(0, dtype=torch.float64, device=mask.device)
+    width = int(mask.any(dim=0).nonzero()[-1]) + 1 if cut else mask.shape[1]
+    probing = mask[:, :width].any(dim=1)
+    ids, mask = contexts.input_ids[probing, :width], mask[probing, :width]
+    attention = None if contexts.attention_mask is None else contexts.attention_mask[probing, :width]
+    key = ids if attention is None else torch.cat((ids, attention.to(ids.dtype)), dim=1)
+    _, inverse = torch.unique(key, dim=0, return_inverse=True)
+    groups = int(inverse.max()) + 1
+    # One representative per distinct row, the first occurrence, in the batch's order; per position
+    # the number of its copies that probe it.
+    rows = torch.arange(ids.shape[0], device=ids.device)
+    first = torch.full((groups,), ids.shape[0], dtype=rows.dtype, device=ids.device).scatter_reduce(
+        0, inverse, rows, "amin"
+    )
     order = first.argsort()
-    kept, multiplicity = first[order], counts[order]
-    attention = None if contexts.attention_mask is None else contexts.attention_mask[kept, :width]
-    compact = ProbeContexts(contexts.input_ids[kept, :width], attention, mask[kept, :width], contexts.temperature)
-    weights = multiplicity.unsqueeze(1).expand_as(compact.probe_mask)[compact.probe_mask].to(torch.float64)
-    return compact, weights
+    counts = torch.zeros(groups, width, dtype=torch.float64, device=ids.device).index_add_(0, inverse, mask.double())
+    counts, kept = counts[order], first[order]
+    probe_mask = counts > 0
+    compact = ProbeContexts(ids[kept], None if attention is None else attention[kept], probe_mask, contexts.temperature)
+    return compact, counts[probe_mask]
+
+
+def positions_depend_on_length(model: nn.Module) -> bool:
+    """Whether a rotary embedding of ``model`` sets its frequencies from the sequence's length, so
+    that cutting columns off a sequence would change the logits before them: Hugging Face's
+    ``"dynamic"`` (NTK) and ``"longrope"`` rotary types (read from ``max(position_ids) + 1``). Read
+    from the modules' ``rope_type`` and the config's ``rope_parameters`` / ``rope_scaling``."""
+    kinds = [getattr(module, "rope_type", None) for module in model.modules()]
+    config = getattr(model, "config", None)
+    get_text_config = getattr(config, "get_text_config", None)
+    for cfg in {id(c): c for c in (config, get_text_config() if callable(get_text_config) else None)}.values():
+        for name in ("rope_parameters", "rope_scaling"):
+            kinds.append(getattr(cfg, name, None))
+
+    def named(kind) -> bool:
+        if isinstance(kind, dict):
+            return any(
+                named(value) for key, value in kind.items() if key in ("rope_type", "type") or isinstance(value, dict)
+            )
+        return isinstance(kind, str) and ("dynamic" in kind or kind == "longrope")
+
+    return any(named(kind) for kind in kinds)
 
 
 class ContextRecorder:
@@ -472,7 +500,8 @@ def jvp_predicted_kl(
     it (see ``_chunkable_head``), and the base logits returned are ``None``: the full
     ``positions × vocabulary`` logits, twice over, would otherwise set the probe's memory peak at
     large vocabularies. The forward then runs on :func:`compact_contexts` (each distinct sequence
-    once, cut after its last probe position), its terms weighted by how many positions each stands for.
+    once, cut after its last probe position unless the model's positions depend on the sequence's
+    length), its terms weighted by how many of the given sequences probe each position.
 
     ``compute_dtype`` (bf16): the linear layers' primal and tangent products are 16-bit
     (:class:`LowPrecisionProducts`; the output embedding's excepted), everything else keeps the
@@ -482,7 +511,7 @@ def jvp_predicted_kl(
     # Not with base logits (returned per position of the contexts as given) or a custom logits_fn
     # (which may pair each row with inputs of its own).
     if not keep_base and logits_fn is default_logits_fn:
-        contexts, weights = compact_contexts(contexts)
+        contexts, weights = compact_contexts(contexts, cut=not positions_depend_on_length(model))
         split = _chunkable_head(model, contexts)
     products = None if compute_dtype is None else LowPrecisionProducts(compute_dtype)
     with (

@@ -33,7 +33,8 @@ class SharedProjection:
     the device it is generated on, plus the projected input ``x Aᵀ`` of the latest input.
 
     ``A`` itself is never kept: :meth:`project` generates it, multiplies and lets it go, so between
-    uses a bound optimizer holds four numbers per group instead of ``r·k`` floats. Siblings that
+    uses a bound optimizer holds four numbers per group instead of ``r·k`` floats (and, once the
+    step size has needed it, the ``r×r`` Gram matrix, :meth:`gram`). Siblings that
     read the same ``x`` (``q/k/v_proj``) and share one ``A`` get ``x Aᵀ`` computed, and ``A``
     generated, once: the first asks, the others find the product here. Only a weak reference to
     ``x`` is kept, and the product is dropped as soon as ``x`` is freed, so the cache holds no

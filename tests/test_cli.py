@@ -543,6 +543,9 @@ def test_logra_and_lora_state_match_the_real_optimizers(config):
     optimizer.step()  # the first moments exist from the first step
     moments = [optimizer.state[t.weight]["first_moment"] for t in optimizer.targets]
     assert predicted["first moments"] == sum(m.numel() * m.element_size() for m in moments)
+    # The step size's Gram matrix A Aᵀ, kept per shared projection until A is redrawn.
+    grams = {id(t.state.shared_projection): t.state.shared_projection.gram() for t in optimizer.targets}
+    assert predicted["projection Grams"] == sum(g.numel() * g.element_size() for g in grams.values())
     without = plan_module.Setting(rank=rank, dtype="fp32", batch=1, seq=8, first_moment=False)
     assert "first moments" not in plan_module.breakdown(shape, "logra", without)
     assert set(optimizer.state[optimizer.targets[0].weight]) == {"step", "first_moment"}  # orthogonal: nothing per row

@@ -103,11 +103,14 @@ def test_subsample_positions_keeps_a_subset_of_the_asked_size_and_only_rows_that
         max_size=8,
     ),
     padded=st.booleans(),
+    masked=st.booleans(),
+    cut=st.booleans(),
 )
-def test_compact_contexts_keeps_every_prefix_term_with_its_multiplicity(rows, padded):
+def test_compact_contexts_keeps_every_prefix_term_with_its_multiplicity(rows, padded, masked, cut):
     """Any per-position quantity that depends on the position's prefix only (as a causal LM's KL term
-    does) sums to the same total over the compact contexts, weighted, as over the full ones; each
-    distinct row is kept once, in first-seen order, and no column after the last probe position."""
+    does) sums to the same total over the compact contexts, weighted, as over the full ones. Each
+    distinct sequence that probes a position is kept once, in first-seen order (copies with other
+    probe positions merged into it), and with ``cut`` no column after the last probe position."""
     input_ids = torch.tensor([[token, 1, token, 2, 3] for token, _, _ in rows])  # few tokens: duplicates
     attention_mask = torch.tensor([[1, 1, 1, 1, open_] for _, open_, _ in rows])
     probe_mask = torch.tensor([mask for _, _, mask in rows])
@@ -116,27 +119,29 @@ def test_compact_contexts_keeps_every_prefix_term_with_its_multiplicity(rows, pa
             torch.cat((t, torch.zeros_like(t[:, :2])), dim=1) for t in (input_ids, attention_mask)
         )
         probe_mask = torch.cat((probe_mask, torch.zeros_like(probe_mask[:, :2])), dim=1)
-    contexts = ProbeContexts(input_ids, attention_mask, probe_mask, temperature=0.7)
+    contexts = ProbeContexts(input_ids, attention_mask if masked else None, probe_mask, temperature=0.7)
 
     def prefix_terms(c: ProbeContexts) -> torch.Tensor:  # a float64 function of each position's prefix
         weights = torch.arange(1, c.input_ids.shape[1] + 1, dtype=torch.float64)
-        mixed = (c.input_ids.double() * weights + c.attention_mask.double() * weights.sqrt()).cumsum(dim=1)
+        attention = torch.ones_like(c.input_ids) if c.attention_mask is None else c.attention_mask
+        mixed = (c.input_ids.double() * weights + attention.double() * weights.sqrt()).cumsum(dim=1)
         return torch.sin(mixed + torch.arange(c.input_ids.shape[1]))[c.probe_mask]
 
-    compact, weights = compact_contexts(contexts)
+    compact, weights = compact_contexts(contexts, cut=cut)
     assert weights.dtype == torch.float64 and weights.numel() == compact.tokens
     assert float(weights.sum()) == contexts.tokens and compact.temperature == 0.7
-    assert float((prefix_terms(compact) * weights).sum()) == pytest.approx(
-        float(prefix_terms(contexts).sum()), abs=1e-9
-    )
-    keys = torch.cat((compact.input_ids, compact.attention_mask, compact.probe_mask.long()), dim=1)
-    assert keys.unique(dim=0).shape[0] == keys.shape[0]  # each distinct row once
-    if contexts.tokens:
-        assert bool(compact.probe_mask[:, -1].any())  # cut after the last probed column
-        assert compact.input_ids.shape[1] <= 5
-    keyed = [(token, open_, tuple(mask)) for token, open_, mask in rows]
-    firsts = [keyed.index(row) for row in dict.fromkeys(keyed)]
-    assert compact.input_ids[:, 0].tolist() == [rows[i][0] for i in firsts]
+    assert (compact.attention_mask is None) == (not masked)
+    total = float(prefix_terms(contexts).sum())
+    assert float((prefix_terms(compact) * weights).sum()) == pytest.approx(total, abs=1e-9)
+    if not contexts.tokens:
+        assert compact is contexts
+        return
+    probing = [(token, open_ if masked else None) for token, open_, mask in rows if any(mask)]
+    distinct = list(dict.fromkeys(probing))
+    assert compact.input_ids[:, 0].tolist() == [token for token, _ in distinct]  # once each, first-seen order
+    assert bool(compact.probe_mask.any(dim=1).all())  # only sequences that probe
+    last = int(probe_mask.any(dim=0).nonzero()[-1])
+    assert compact.input_ids.shape[1] == (last + 1 if cut else input_ids.shape[1])
 
 
 def test_subsample_positions_draws_every_position_alike():
@@ -310,7 +315,7 @@ def test_probe_runs_once_per_distinct_sequence_and_predicts_the_same_kl(fitted_m
     sequences and unprobed trailing columns is the full contexts' one (the uncompacted path with
     ``keep_base=True``), from a forward of fewer rows."""
     model, opt, targets, factors, contexts = _sketched_probe_inputs(fitted_model, direction="sgd")
-    repeated = contexts.select(torch.tensor([0, 1, 0, 1, 1, 0]))
+    repeated = contexts.select(torch.tensor([0, 1, 0, 0, 1, 0]))  # four copies of one, two of the other
     probe_mask = repeated.probe_mask.clone()
     probe_mask[:, -3:] = False  # the last three columns predict no trained token
     repeated = ProbeContexts(repeated.input_ids, repeated.attention_mask, probe_mask)
@@ -322,9 +327,74 @@ def test_probe_runs_once_per_distinct_sequence_and_predicts_the_same_kl(fitted_m
     assert float(q_compact) == pytest.approx(float(q_full), rel=1e-5)
     hidden = model.config.hidden_size
     width = repeated.input_ids.shape[1]
-    hidden_states = [shape for shape in shapes.shapes if len(shape) == 3 and shape[-1] == hidden]
-    assert (2, width - 3, hidden) in hidden_states  # two distinct rows, three columns fewer
-    assert not any(shape[0] == 6 or shape[1] == width for shape in hidden_states)
+
+    def hidden_states(shapes):
+        return [shape for shape in shapes.shapes if len(shape) == 3 and shape[-1] == hidden]
+
+    assert (2, width - 3, hidden) in hidden_states(shapes)  # two distinct rows, three columns fewer
+    assert not any(shape[0] == 6 or shape[1] == width for shape in hidden_states(shapes))
+    # The two sequences' terms differ, so weights tied to the wrong one would change the sum (4:2).
+    q_each = [float(jvp_predicted_kl(model, targets, factors, repeated.select([row]))[0]) for row in (0, 1)]
+    assert abs(q_each[0] - q_each[1]) > 1e-3 * float(q_full)
+    assert float(q_full) == pytest.approx(4 * q_each[0] + 2 * q_each[1], rel=1e-5)
+    # Base logits (a realised-KL check) or a custom logits function: the contexts as given.
+    for keep_base, logits_fn in ((True, probe.default_logits_fn), (False, lambda m, c: probe.default_logits_fn(m, c))):
+        shapes = OutputShapes()
+        with shapes:
+            q, n, _ = jvp_predicted_kl(model, targets, factors, repeated, logits_fn, keep_base=keep_base)
+        assert (6, width, hidden) in hidden_states(shapes) and n == repeated.tokens
+        assert float(q) == pytest.approx(float(q_full), rel=1e-5)
+
+
+def test_probe_keeps_every_column_where_rotary_positions_depend_on_the_length():
+    """LongRoPE (Phi-3's long-context variants) and dynamic NTK choose their frequencies from the
+    sequence's length, so cutting columns would change the logits before them: there the probe
+    keeps every column (and still reads each distinct sequence once), and predicts the full KL."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    head_dim = 8
+    torch.manual_seed(0)
+    config = Phi3Config(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        original_max_position_embeddings=4,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0] * (head_dim // 2),
+            "long_factor": [4.0] * (head_dim // 2),
+            "original_max_position_embeddings": 4,
+        },
+    )
+    model = patch_model(Phi3ForCausalLM(config))
+    assert probe.positions_depend_on_length(model)
+    assert not probe.positions_depend_on_length(tiny_qwen2())
+    opt = LoGRAOptimizer(model, rank=4, kl_budget=1e-4, direction="sgd", wire_dtype=None)
+    input_ids = torch.randint(3, 32, (2, 10), generator=torch.Generator().manual_seed(1))
+    probe_mask = torch.zeros(2, 10, dtype=torch.bool)
+    probe_mask[:, 1:3] = True  # cut to 3 columns, LongRoPE would take its short factors (≤ 4), at 10 its long ones
+    model.train()
+    model(input_ids=input_ids, labels=input_ids).loss.backward()
+    states = [t.state for t in opt.targets]
+    factors = [state.sketch * 1e-1 for state in states]
+    contexts = ProbeContexts(input_ids[[0, 1, 0]], None, probe_mask[[0, 1, 0]])
+    q_full, _, _ = jvp_predicted_kl(model, states, factors, contexts, keep_base=True)
+    shapes = OutputShapes()
+    with shapes:
+        q_compact, _, _ = jvp_predicted_kl(model, states, factors, contexts, keep_base=False)
+    assert (2, 10, config.hidden_size) in shapes.shapes  # two distinct rows, every column
+    assert float(q_compact) == pytest.approx(float(q_full), rel=1e-5)
+    cut, _ = compact_contexts(contexts)
+    q_cut, _, _ = jvp_predicted_kl(model, states, factors, cut, keep_base=True)
+    assert float(q_cut) != pytest.approx(float(q_full), rel=1e-3)  # what cutting would have predicted
 
 
 # ------------------------------------------------------------------------------------------------
