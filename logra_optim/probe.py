@@ -165,24 +165,31 @@ def compact_contexts(contexts: ProbeContexts, cut: bool = True) -> tuple[ProbeCo
     return compact, counts[probe_mask]
 
 
+# Hugging Face rotary types that set their frequencies from the sequence's length (``"su"``: LongRoPE's
+# former name in Phi-3's remote code); any type whose name contains "dynamic" does too.
+LENGTH_DEPENDENT_ROPE = ("longrope", "su")
+
+
 def positions_depend_on_length(model: nn.Module) -> bool:
     """Whether a rotary embedding of ``model`` sets its frequencies from the sequence's length, so
-    that cutting columns off a sequence would change the logits before them: Hugging Face's
+    that cutting columns off a sequence could change the logits before them: Hugging Face's
     ``"dynamic"`` (NTK) and ``"longrope"`` rotary types (read from ``max(position_ids) + 1``). Read
-    from the modules' ``rope_type`` and the config's ``rope_parameters`` / ``rope_scaling``."""
-    kinds = [getattr(module, "rope_type", None) for module in model.modules()]
-    config = getattr(model, "config", None)
-    get_text_config = getattr(config, "get_text_config", None)
-    for cfg in {id(c): c for c in (config, get_text_config() if callable(get_text_config) else None)}.values():
-        for name in ("rope_parameters", "rope_scaling"):
-            kinds.append(getattr(cfg, name, None))
+    from every module's ``rope_type`` (a name, or one per layer type) and from the config's (or a
+    wrapped model's config's, and its text config's) ``rope_parameters`` / ``rope_scaling``. A true
+    answer where it does not matter only costs the probe the columns it keeps."""
+    kinds: list = [getattr(module, "rope_type", None) for module in model.modules()]
+    configs = [getattr(model, "config", None), getattr(getattr(model, "module", None), "config", None)]
+    for config in list(configs):
+        try:
+            configs.append(config.get_text_config(decoder=True))
+        except (AttributeError, TypeError, ValueError):
+            pass
+    kinds += [getattr(config, name, None) for config in configs for name in ("rope_parameters", "rope_scaling")]
 
-    def named(kind) -> bool:
+    def named(kind) -> bool:  # a type name anywhere in a (nested) dict of rotary settings
         if isinstance(kind, dict):
-            return any(
-                named(value) for key, value in kind.items() if key in ("rope_type", "type") or isinstance(value, dict)
-            )
-        return isinstance(kind, str) and ("dynamic" in kind or kind == "longrope")
+            return any(named(value) for value in kind.values())
+        return isinstance(kind, str) and ("dynamic" in kind or kind in LENGTH_DEPENDENT_ROPE)
 
     return any(named(kind) for kind in kinds)
 

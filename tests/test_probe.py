@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import types
 
 import pytest
 import torch
+import torch.nn as nn
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -346,7 +348,27 @@ def test_probe_runs_once_per_distinct_sequence_and_predicts_the_same_kl(fitted_m
         assert float(q) == pytest.approx(float(q_full), rel=1e-5)
 
 
-def test_probe_keeps_every_column_where_rotary_positions_depend_on_the_length():
+def test_length_dependent_rotary_types_are_found_in_modules_and_configs():
+    """Per-layer-type rotary names on a module (Gemma3's), a wrapper without a config around it (as
+    DDP puts), or only a config's ``rope_parameters``: a "dynamic" or "longrope" type anywhere counts."""
+    rotary = nn.Module()
+    rotary.rope_type = {"full_attention": "dynamic", "sliding_attention": "default"}
+    wrapper = nn.Module()
+    wrapper.module = nn.Sequential(nn.Linear(2, 2), rotary)
+    assert probe.positions_depend_on_length(wrapper)
+    rotary.rope_type = {"full_attention": "default", "sliding_attention": "yarn"}
+    assert not probe.positions_depend_on_length(wrapper)
+    configured = nn.Linear(2, 2)
+    configured.config = types.SimpleNamespace(rope_parameters={"rope_type": "longrope", "factor": 4.0})
+    assert probe.positions_depend_on_length(configured)
+    configured.config.rope_parameters = {"full_attention": {"rope_type": "dynamic"}}
+    assert probe.positions_depend_on_length(configured)
+    configured.config.rope_parameters = {"rope_type": "llama3", "factor": 8.0}
+    assert not probe.positions_depend_on_length(configured)
+    assert not probe.positions_depend_on_length(tiny_qwen2())
+
+
+def test_probe_keeps_every_column_where_rotary_positions_depend_on_the_length(monkeypatch):
     """LongRoPE (Phi-3's long-context variants) and dynamic NTK choose their frequencies from the
     sequence's length, so cutting columns would change the logits before them: there the probe
     keeps every column (and still reads each distinct sequence once), and predicts the full KL."""
@@ -392,8 +414,8 @@ def test_probe_keeps_every_column_where_rotary_positions_depend_on_the_length():
         q_compact, _, _ = jvp_predicted_kl(model, states, factors, contexts, keep_base=False)
     assert (2, 10, config.hidden_size) in shapes.shapes  # two distinct rows, every column
     assert float(q_compact) == pytest.approx(float(q_full), rel=1e-5)
-    cut, _ = compact_contexts(contexts)
-    q_cut, _, _ = jvp_predicted_kl(model, states, factors, cut, keep_base=True)
+    monkeypatch.setattr(probe, "positions_depend_on_length", lambda model: False)
+    q_cut, _, _ = jvp_predicted_kl(model, states, factors, contexts, keep_base=False)
     assert float(q_cut) != pytest.approx(float(q_full), rel=1e-3)  # what cutting would have predicted
 
 
