@@ -1,4 +1,4 @@
-"""The README's memory and step-time benchmark: ``logra bench`` with the ``core`` preset.
+"""The memory and step-time benchmark against AdamW on the same matrices: ``logra bench`` with the ``core`` preset.
 
 The ``core`` preset is a 201 M-parameter Qwen2 (hidden 1536, 4 layers, intermediate 4224, 12 heads /
 4 KV heads, vocab 32000); this runs dense AdamW on the LoGRA targets (``adamw-targets``, the

@@ -33,7 +33,7 @@ What is measured, and how
       machine is shared with other jobs: the load average at the start and end of the run is
       recorded with the results.
 
-``python benchmarks/bench_distributed.py --help`` lists the options; the defaults are the README's run.
+``python benchmarks/bench_distributed.py --help`` lists the options; the defaults are the run in docs/benchmarks.md.
 """
 
 from __future__ import annotations

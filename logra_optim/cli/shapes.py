@@ -12,8 +12,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-# Published Qwen2.5 shapes, as ``config.json`` keys; ``core`` is the README's memory and step-time
-# model (Qwen2.5-1.5B's width and head_dim, 4 layers, a 32k vocabulary: 201 M parameters, and
+# Published Qwen2.5 shapes, as ``config.json`` keys; ``core`` is the memory and step-time
+# benchmark's model (Qwen2.5-1.5B's width and head_dim, 4 layers, a 32k vocabulary: 201 M parameters, and
 # 4 KV heads so that k/v allow ranks up to 512). Embeddings keep their real vocabulary: their
 # memory is part of what every method pays.
 PRESETS: dict[str, dict] = {
