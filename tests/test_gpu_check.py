@@ -21,6 +21,7 @@ def test_quick_run_on_cpu_passes_every_check_it_can(tmp_path):
         "projections": "pass",
         "bf16 autocast": "pass",
         "probe": "pass",
+        "directions": "pass",
         "memory": "pass",
         "vLLM sync": "skipped",
         "vLLM MoE sync": "skipped",

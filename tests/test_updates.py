@@ -10,8 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from logra_optim.updates import (
-    POLAR_FLOOR,
-    POLAR_FLOOR_16BIT,
     orthogonal_direction,
     basis_change,
     carry_first_moment,
@@ -502,32 +500,7 @@ def test_stochastic_rounding_with_a_seeded_generator_is_reproducible():
 
 
 # ------------------------------------------------------------------------------------------------
-# Orthogonal directions (the polar factor)
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    d=st.integers(1, 24),
-    r=st.integers(1, 12),
-    rank=st.integers(0, 12),
-    scale=st.sampled_from([1e-12, 1e-3, 1.0, 1e6]),
-    seed=st.integers(0, 2**16),
-    floor=st.sampled_from([POLAR_FLOOR, POLAR_FLOOR_16BIT]),
-)
-def test_orthogonal_direction_is_the_polar_factor_of_a_float64_svd(d, r, rank, scale, seed, floor):
-    """``U = P min(1, Σ / (floor σ_max)) Qᵀ`` from ``N = P Σ Qᵀ``, whatever the shape, rank or scale
-    of ``N``: unit singular values (those below ``floor`` σ_max shrunk, not blown up), the same
-    singular vectors."""
-    generator = torch.Generator().manual_seed(seed)
-    rank = min(rank, d, r)
-    factors = torch.randn(d, rank, generator=generator, dtype=torch.float64)
-    numerator = (factors @ torch.randn(rank, r, generator=generator, dtype=torch.float64) * scale).float()
-    left, singular, right = torch.linalg.svd(numerator.double(), full_matrices=False)
-    threshold = singular.max().clamp_min(1e-150) * floor if singular.numel() else 1.0
-    expected = (left * (singular / singular.clamp_min(threshold))) @ right
-    direction = orthogonal_direction(numerator, floor=floor)
-    assert direction.dtype == torch.float32 and direction.shape == (d, r)
-    torch.testing.assert_close(direction.double(), expected, rtol=0, atol=2e-4)
+# Orthogonal directions (the polar factor: tests/test_polar.py)
 
 
 def test_orthogonal_direction_of_zero_is_zero_and_next_direction_keeps_the_moment():

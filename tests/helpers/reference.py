@@ -61,11 +61,11 @@ def carried(moment: torch.Tensor, old_projection: torch.Tensor, new_projection: 
 
 
 def polar(numerator: torch.Tensor, floor: float = 1e-5) -> torch.Tensor:
-    """The polar factor ``P Qᵀ`` of ``N = P Σ Qᵀ`` by a float64 SVD: ``N``'s singular values set to 1,
-    those below ``floor · σ_max`` to ``σ / (floor · σ_max)`` instead (docs/method.md §2)."""
+    """The polar factor ``P Qᵀ`` of ``N = P Σ Qᵀ`` by a float64 SVD, with its floor: ``N``'s singular
+    values ``σ`` set to ``σ / sqrt(σ² + (floor · σ_max)²)`` (docs/method.md §2)."""
     left, singular, right = torch.linalg.svd(numerator.double(), full_matrices=False)
-    threshold = floor * singular.max().clamp_min(1e-300)
-    return (left * (singular / singular.clamp_min(threshold))) @ right
+    shift = (floor * singular.max().clamp_min(1e-150)) ** 2
+    return (left * (singular / (singular.square() + shift).sqrt())) @ right
 
 
 def direction(

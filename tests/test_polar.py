@@ -1,0 +1,147 @@
+"""Orthogonal directions (``logra_optim.polar``) against float64 SVD references, and the GPU's
+Newton–Schulz path against the CPU's eigendecomposition (both run here, on the CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from logra_optim import polar
+from logra_optim.polar import (
+    POLAR_FLOOR,
+    POLAR_FLOOR_16BIT,
+    orthogonal_direction,
+    orthogonal_directions,
+    regularised_inverse_sqrt,
+)
+from tests.helpers import reference
+
+FLOORS = st.sampled_from([POLAR_FLOOR, POLAR_FLOOR_16BIT])
+
+
+def low_rank(d: int, r: int, rank: int, scale: float, generator: torch.Generator) -> torch.Tensor:
+    factors = torch.randn(d, rank, generator=generator, dtype=torch.float64)
+    return factors @ torch.randn(rank, r, generator=generator, dtype=torch.float64) * scale
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    d=st.integers(1, 24),
+    r=st.integers(1, 12),
+    rank=st.integers(0, 12),
+    scale=st.sampled_from([1e-12, 1e-3, 1.0, 1e6]),
+    seed=st.integers(0, 2**16),
+    floor=FLOORS,
+)
+def test_orthogonal_direction_is_the_polar_factor_of_a_float64_svd(d, r, rank, scale, seed, floor):
+    """``U = P diag(σ / sqrt(σ² + (floor σ_max)²)) Qᵀ`` from ``N = P Σ Qᵀ``, whatever the shape, rank or
+    scale of ``N``: unit singular values for the directions that carry it, those at its noise shrunk
+    (not blown up), the same singular vectors."""
+    numerator = low_rank(d, r, min(rank, d, r), scale, torch.Generator().manual_seed(seed)).float()
+    direction = orthogonal_direction(numerator, floor=floor)
+    assert direction.dtype == torch.float32 and direction.shape == (d, r)
+    torch.testing.assert_close(direction.double(), reference.polar(numerator, floor), rtol=0, atol=2e-4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    r=st.integers(1, 24),
+    rank=st.integers(1, 24),
+    gap=st.floats(0.05, 0.5),
+    floor=FLOORS,
+    seed=st.integers(0, 2**16),
+)
+def test_newton_schulz_equals_the_eigendecomposition(r, rank, gap, floor, seed):
+    """The GPU's path (matrix products only) computes the CPU's ``(G + τI)^-½`` in float64. With the
+    largest eigenvalue apart from the next (by ``gap``), its power-iteration estimate of ``λ_max`` (for
+    ``τ``) is exact to rounding, so the directions ``N (G + τI)^-½`` agree below fp32's resolution
+    whatever the rank and spread below it."""
+    generator = torch.Generator().manual_seed(seed)
+    rank = min(rank, r)
+    left, _ = torch.linalg.qr(torch.randn(2 * r, r, generator=generator, dtype=torch.float64))
+    right, _ = torch.linalg.qr(torch.randn(r, r, generator=generator, dtype=torch.float64))
+    spread = torch.logspace(-6, 0, rank, dtype=torch.float64)[torch.randperm(rank, generator=generator)]
+    singular = torch.zeros(r, dtype=torch.float64)
+    singular[:rank] = spread * (1.0 - gap)
+    singular[0] = 1.0
+    numerator = (left * singular) @ right.T * 10.0 ** (seed % 7 - 3)
+    grams = (numerator.T @ numerator).unsqueeze(0)
+    exact = numerator @ regularised_inverse_sqrt(grams, floor, "eigh")[0]
+    iterated = numerator @ regularised_inverse_sqrt(grams, floor, "newton-schulz")[0]
+    # Float64 iterates of a matrix of condition up to 1/floor²: about 1e-8, below fp32's rounding of U.
+    torch.testing.assert_close(iterated, exact, rtol=0, atol=1e-7)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    sizes=st.lists(st.tuples(st.integers(1, 3), st.integers(1, 12), st.sampled_from([2, 5])), min_size=1, max_size=5),
+    floor=FLOORS,
+    seed=st.integers(0, 2**16),
+)
+def test_one_batch_for_all_targets_equals_each_target_alone(sizes, floor, seed):
+    """Targets of two ranks and stacked experts in one call: grouped by ``r`` and batched, each block
+    its own polar factor, by either method."""
+    generator = torch.Generator().manual_seed(seed)
+    numerators = [torch.randn(e * d, r, generator=generator) * 10.0 ** (i - 2) for i, (e, d, r) in enumerate(sizes)]
+    experts = [e for e, _, _ in sizes]
+    for method in polar.METHODS:
+        together = orthogonal_directions(numerators, experts, floor, method)
+        for direction, numerator, (e, d, _) in zip(together, numerators, sizes):
+            assert direction.shape == numerator.shape and direction.dtype == numerator.dtype
+            for block, alone in zip(direction.split(d), numerator.split(d)):
+                torch.testing.assert_close(block.double(), reference.polar(alone, floor), rtol=0, atol=1e-4)
+
+
+def test_newton_schulz_of_a_random_spectrum_keeps_its_directions_unit():
+    """No gap at the top: the estimate of ``λ_max`` may fall a little short and the floor with it, which
+    only moves the singular values near the floor; those of the directions carrying ``N`` stay 1."""
+    generator = torch.Generator().manual_seed(0)
+    numerators = [low_rank(300, 64, 64, 1.0, generator) for _ in range(4)]
+    for floor in (POLAR_FLOOR, POLAR_FLOOR_16BIT):
+        for exact, iterated in zip(
+            orthogonal_directions(numerators, floor=floor, method="eigh"),
+            orthogonal_directions(numerators, floor=floor, method="newton-schulz"),
+        ):
+            torch.testing.assert_close(iterated, exact, rtol=0, atol=1e-6 if floor == POLAR_FLOOR else 2e-3)
+
+
+def test_zero_directions_stay_zero_by_either_method():
+    for method in polar.METHODS:
+        directions = orthogonal_directions([torch.zeros(4, 3), torch.zeros(2 * 5, 3)], [1, 2], method=method)
+        assert all(torch.equal(u, torch.zeros_like(u)) for u in directions)
+
+
+def test_newton_schulz_that_does_not_converge_falls_back_to_eigh(monkeypatch):
+    generator = torch.Generator().manual_seed(1)
+    numerator = low_rank(40, 16, 16, 1.0, generator)
+    grams = (numerator.T @ numerator).unsqueeze(0)
+    monkeypatch.setattr(polar, "_NEWTON_SCHULZ_TOLERANCE", 0.0)  # no float64 iterate is that exact
+    assert torch.equal(
+        regularised_inverse_sqrt(grams, POLAR_FLOOR, "newton-schulz"),
+        regularised_inverse_sqrt(grams, POLAR_FLOOR, "eigh"),
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"method": "svd"}, "method must be one of"),
+        ({"floor": 0.0}, "floor must be in"),
+        ({"floor": 1.0}, "floor must be in"),
+        ({"experts": [1, 1]}, "experts: one count per numerator"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        orthogonal_directions([torch.randn(4, 3)], **kwargs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_newton_schulz_is_the_default_and_equals_the_cpu():
+    generator = torch.Generator().manual_seed(2)
+    numerators = [low_rank(200, 32, 32, 1.0, generator).float() for _ in range(3)]
+    on_cuda = orthogonal_directions([n.cuda() for n in numerators])
+    for u, n in zip(on_cuda, numerators):
+        torch.testing.assert_close(u.cpu(), orthogonal_direction(n), rtol=0, atol=1e-5)
