@@ -24,9 +24,8 @@ from . import distributed as dp
 from .probe import LogitsFn
 from .projection import PROJECTIONS
 from .target import Target
-from .updates import RATIO_SCOPES
+from .updates import DIRECTIONS, RATIO_SCOPES
 
-DIRECTIONS = ("rowadam", "orthogonal", "sgd")
 PROBES = ("jvp", "finite_difference")
 DEFAULT_UPDATE_RATIO = 6e-5
 

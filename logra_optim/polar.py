@@ -1,16 +1,18 @@
 """Orthogonal directions: the polar factor of each target's ``d×r`` direction, all targets at once.
 
 ``U = N (NᵀN + τ I)^-½`` with ``τ = (floor · σ_max)²``: ``N``'s singular vectors, its singular
-values ``σ`` set to ``σ / sqrt(σ² + (floor σ_max)²)``, which is 1 to within ``floor²/2`` for the
-directions that carry the sketch and ``≈ σ / (floor σ_max)`` for those at its rounding noise.
+values ``σ`` set to ``σ / sqrt(σ² + (floor σ_max)²)``. A direction at ``k · floor · σ_max`` keeps
+``1 / sqrt(1 + 1/k²)`` (0.995 at ``k = 10``), so those that carry the sketch stay at 1 and those at
+its rounding noise become ``≈ σ / (floor σ_max)`` instead of being raised to 1.
 
-Only the ``r×r`` Gram matrices need the inverse square root, and every target of a model has the
-same ``r``, so they are stacked and computed in one batch. On a CPU by a float64 eigendecomposition
-(LAPACK's is fast at these sizes); on a GPU by a coupled Newton–Schulz iteration in float64,
-matrix products only. cuSOLVER's eigendecomposition of a 256×256 matrix takes about 2 ms and does
-not batch at that size: 0.11 s per update for the 56 targets of an 8-layer Qwen2.5-1.5B on an H200,
-against 0.49 s for the optimizer's whole step (docs/benchmarks.md, "On a GPU"). Both paths compute
-the same function (``tests/test_polar.py``).
+Only the ``r×r`` Gram matrices need the inverse square root. On a CPU it is a float64
+eigendecomposition, one target at a time (LAPACK's is fast at these sizes, and a batch would only
+hold more memory). On a GPU it is a coupled Newton–Schulz iteration in float64, matrix products
+only, over batches of targets of one ``r``: cuSOLVER's eigendecomposition of a 256×256 matrix takes
+about 2 ms and does not batch at that size, 0.11 s of GPU time per update for the 56 targets of an
+8-layer Qwen2.5-1.5B on an H200, against 0.47 s for the optimizer's whole step (docs/benchmarks.md,
+"On a GPU"). The two paths are built to compute one function, and ``tests/test_polar.py`` checks
+them against each other on the CPU.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ POLAR_FLOOR_16BIT = 1e-2
 
 METHODS = ("eigh", "newton-schulz")
 # Newton–Schulz converges once ZY is within this of the identity (float64 rounding at r ≤ 1024
-# stays near 1e-13); a batch that does not is recomputed by eigh.
-_NEWTON_SCHULZ_TOLERANCE = 1e-9
-POWER_ITERATIONS = 32  # for τ: 1 ms of launches on a GPU, 39 ms for 28 targets at r = 256 on 2 CPU cores
+# stays near 1e-13); a block that does not is recomputed by eigh.
+NEWTON_SCHULZ_TOLERANCE = 1e-9
+# Gram matrices per Newton–Schulz batch: 64 at r = 256. Its iterates hold a few copies of them.
+BATCH_BYTES = 32 * 2**20
+POWER_ITERATIONS = 32
 
 
 def orthogonal_directions(
@@ -58,26 +62,48 @@ def orthogonal_directions(
         raise ValueError(f"method must be one of {METHODS} or None, got {method!r}")
     if not 0.0 < floor < 1.0:
         raise ValueError(f"floor must be in (0, 1), got {floor!r}")
-    # One target's float64 copy at a time: all of them at once would weigh twice the sketches.
-    grams = [_blocks(n, e).mT @ _blocks(n, e) for n, e in zip(numerators, experts)]
+    for index, (numerator, count) in enumerate(zip(numerators, experts)):
+        if numerator.ndim != 2 or count < 1 or numerator.shape[0] % count:
+            raise ValueError(
+                f"numerators[{index}]: expected a 2-D E·d × r matrix of experts[{index}] = {count} blocks, "
+                f"got shape {tuple(numerator.shape)}"
+            )
+    directions: list[torch.Tensor | None] = [None] * len(numerators)
+    for chunk, chosen in _chunks(numerators, experts, method):
+        # One target's float64 copy at a time: all of them at once would weigh twice the sketches.
+        grams = [_gram(numerators[i], experts[i]) for i in chunk]
+        roots = regularised_inverse_sqrt(torch.cat(grams), floor, chosen).split([experts[i] for i in chunk])
+        for index, root in zip(chunk, roots):
+            numerator = numerators[index]
+            blocks = numerator.double().reshape(experts[index], -1, numerator.shape[-1])
+            directions[index] = (blocks @ root).reshape(numerator.shape).to(numerator.dtype)
+    return directions
+
+
+def _chunks(numerators: Sequence[torch.Tensor], experts: Sequence[int], method: str | None):
+    """Targets in batches of one device and one ``r``, with the method for each. Newton–Schulz batches
+    up to :data:`BATCH_BYTES` of Gram matrices (its iterates are a few copies of them); eigh gains
+    nothing from a batch, so it takes one target at a time and keeps the memory of the old path."""
     groups: dict[tuple, list[int]] = {}
-    for index, gram in enumerate(grams):
-        groups.setdefault((gram.device, gram.shape[-1]), []).append(index)
-    inverse_roots: list[torch.Tensor] = list(grams)
-    for (device, _), indices in groups.items():
+    for index, numerator in enumerate(numerators):
+        groups.setdefault((numerator.device, numerator.shape[-1]), []).append(index)
+    for (device, r), indices in groups.items():
         chosen = method or ("newton-schulz" if device.type == "cuda" else "eigh")
-        stacked = regularised_inverse_sqrt(torch.cat([grams[i] for i in indices]), floor, chosen)
-        for index, root in zip(indices, stacked.split([experts[i] for i in indices])):
-            inverse_roots[index] = root
-    return [
-        (_blocks(n, e) @ root).reshape(n.shape).to(n.dtype)
-        for n, e, root in zip(numerators, experts, inverse_roots, strict=True)
-    ]
+        budget = BATCH_BYTES // (r * r * 8) if chosen == "newton-schulz" else 1
+        chunk, blocks = [], 0
+        for index in indices:
+            if chunk and blocks + experts[index] > budget:
+                yield chunk, chosen
+                chunk, blocks = [], 0
+            chunk.append(index)
+            blocks += experts[index]
+        yield chunk, chosen
 
 
-def _blocks(numerator: torch.Tensor, experts: int) -> torch.Tensor:
-    """``numerator`` in float64 as ``experts`` blocks of its rows: ``E × d × r``."""
-    return numerator.double().reshape(experts, -1, numerator.shape[-1])
+def _gram(numerator: torch.Tensor, experts: int) -> torch.Tensor:
+    """``NᵀN`` of each of the ``experts`` blocks of ``numerator``'s rows, in float64: ``E × r × r``."""
+    blocks = numerator.double().reshape(experts, -1, numerator.shape[-1])
+    return blocks.mT @ blocks
 
 
 def orthogonal_direction(numerator: torch.Tensor, experts: int = 1, floor: float = POLAR_FLOOR) -> torch.Tensor:
@@ -87,44 +113,57 @@ def orthogonal_direction(numerator: torch.Tensor, experts: int = 1, floor: float
 
 def regularised_inverse_sqrt(grams: torch.Tensor, floor: float, method: str = "eigh") -> torch.Tensor:
     """``(G + τ I)^-½`` of each symmetric PSD ``G`` in a ``B×r×r`` float64 batch, ``τ = floor² ·
-    λ̂``. An all-zero ``G`` gives a finite (large) result, which its zero ``N`` maps to 0.
+    λ̂``; the identity for an all-zero ``G`` (whose zero ``N`` it maps to 0 either way).
 
     ``λ̂`` is :func:`largest_eigenvalue`'s estimate on either path, so that a CPU and a GPU compute one
-    function: the eigendecomposition's exact ``λ_max`` would differ from it by up to a few percent,
-    and so would the floor."""
-    shift = largest_eigenvalue(grams) * floor**2
+    function: the eigendecomposition's exact ``λ_max`` would differ from it, and so would the floor.
+    Newton–Schulz blocks that do not converge are recomputed by eigh, block by block."""
+    eye = torch.eye(grams.shape[-1], dtype=grams.dtype, device=grams.device)
+    zero = (grams == 0).flatten(1).all(dim=1).view(-1, 1, 1)
+    grams = torch.where(zero, eye, grams)
+    shift = torch.where(zero, 0.0, largest_eigenvalue(grams) * floor**2)
     if method == "newton-schulz":
-        root = _newton_schulz_inverse_sqrt(grams, shift, floor)
-        if root is not None:
+        root, converged = _newton_schulz_inverse_sqrt(grams, shift, floor)
+        if bool(converged.all()):
             return root
+        failed = (~converged).nonzero().flatten()
+        root[failed] = _eigh_inverse_sqrt(grams[failed], shift[failed])
+        return root
+    return _eigh_inverse_sqrt(grams, shift)
+
+
+def _eigh_inverse_sqrt(grams: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     values, vectors = torch.linalg.eigh(grams)
     return (vectors * (values.clamp_min(0).unsqueeze(-1) + shift).rsqrt().mT) @ vectors.mT
 
 
 def largest_eigenvalue(grams: torch.Tensor, iterations: int = POWER_ITERATIONS) -> torch.Tensor:
     """A ``B×1×1`` estimate of each ``G``'s largest eigenvalue: the Rayleigh quotient after
-    ``iterations`` power iterations from ``G``'s column of largest diagonal. Never above ``λ_max``;
-    below it by a few percent at most where many eigenvalues crowd near the top (sketches of
-    Gaussian-like gradients), by rounding where the largest stands apart. At least 1e-300."""
+    ``iterations`` power iterations from one fixed pseudo-random vector (the same on every device).
+    Never above ``λ_max``; exact to rounding where the largest stands apart from the next, and below
+    it where many eigenvalues crowd the top (sketches of Gaussian-like gradients), by how much depends
+    on the spectrum. At least 1e-300."""
     batch, r, _ = grams.shape
-    start = grams.diagonal(dim1=-2, dim2=-1).argmax(dim=-1)
-    vector = grams.gather(-1, start.view(batch, 1, 1).expand(batch, r, 1))
+    start = torch.rand(r, 1, generator=torch.Generator().manual_seed(0), dtype=torch.float64) + 0.5
+    vector = start.to(grams.device).expand(batch, r, 1)
     for _ in range(iterations):
         vector = grams @ vector
         vector = vector / vector.norm(dim=1, keepdim=True).clamp_min(1e-300)
     return (vector.mT @ grams @ vector).clamp_min(1e-300)
 
 
-def _newton_schulz_inverse_sqrt(grams: torch.Tensor, shift: torch.Tensor, floor: float) -> torch.Tensor | None:
+def _newton_schulz_inverse_sqrt(
+    grams: torch.Tensor, shift: torch.Tensor, floor: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The coupled Newton–Schulz iteration ``T = (3I − Z Y)/2, Y ← Y T, Z ← T Z`` from ``Y = M/c``,
     ``Z = I``, with ``M = G + τ I`` (``shift``: ``τ``, ``B×1×1``) and ``c = ‖M‖_F ≥ λ_max(M)``:
-    ``Z → (M/c)^-½``. ``None`` if it has not converged (the caller falls back to eigh).
+    ``Z → (M/c)^-½``. Returns the root and which blocks converged.
 
     In the eigenbasis each eigenvalue ``m = λ/c`` of ``ZY`` follows ``m ← m (3 − m)²/4``: at least
     ×1.89 per step while ``m ≤ 1/4``, then quadratically to 1. ``τ`` bounds the smallest ``m`` from
     below, so the number of steps follows from ``floor`` and ``r``: 49 for ``1e-5`` at ``r = 256``,
     three batched products each. The count allows ``τ`` to rest on an estimate of ``λ_max`` ten times
-    too small."""
+    too small; a block it does not cover fails the residual check and goes to eigh."""
     batch, r, _ = grams.shape
     eye = torch.eye(r, dtype=grams.dtype, device=grams.device).expand(batch, r, r)
     shifted = grams + eye * shift
@@ -135,7 +174,5 @@ def _newton_schulz_inverse_sqrt(grams: torch.Tensor, shift: torch.Tensor, floor:
     for _ in range(steps):
         t = 1.5 * eye - 0.5 * (z @ y)
         y, z = y @ t, t @ z
-    residual = float((z @ y - eye).abs().amax()) if batch else 0.0
-    if not residual <= _NEWTON_SCHULZ_TOLERANCE:  # NaN too
-        return None
-    return z / scale.sqrt()
+    residual = (z @ y - eye).abs().amax(dim=(1, 2))
+    return z / scale.sqrt(), residual <= NEWTON_SCHULZ_TOLERANCE  # NaN fails too

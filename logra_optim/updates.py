@@ -123,6 +123,9 @@ def carry_first_moment(moment: torch.Tensor, transfer: torch.Tensor) -> torch.Te
     return moment @ transfer.to(moment.dtype)
 
 
+DIRECTIONS = ("rowadam", "orthogonal", "sgd")
+
+
 def next_direction(
     kind: str,
     sketch: torch.Tensor,
@@ -154,6 +157,8 @@ def next_directions(
     orthogonal directions' (:func:`~logra_optim.polar.orthogonal_directions`, one batch for all
     targets). Nothing is mutated, so that an update rejected later (probe, realised KL) leaves the
     state as it was."""
+    if kind not in DIRECTIONS:
+        raise ValueError(f"direction must be one of {', '.join(DIRECTIONS)}, got {kind!r}")
     results = []
     for sketch, state in zip(sketches, states, strict=True):
         step = state.get("step", torch.tensor(0.0)) + 1

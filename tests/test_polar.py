@@ -67,6 +67,8 @@ def test_newton_schulz_equals_the_eigendecomposition(r, rank, gap, floor, seed):
     singular[0] = 1.0
     numerator = (left * singular) @ right.T * 10.0 ** (seed % 7 - 3)
     grams = (numerator.T @ numerator).unsqueeze(0)
+    shift = polar.largest_eigenvalue(grams) * floor**2
+    assert polar._newton_schulz_inverse_sqrt(grams, shift, floor)[1].all()  # converged: no eigh fallback
     exact = numerator @ regularised_inverse_sqrt(grams, floor, "eigh")[0]
     iterated = numerator @ regularised_inverse_sqrt(grams, floor, "newton-schulz")[0]
     # Float64 iterates of a matrix of condition up to 1/floor²: within a few of fp32's ulps of U's unit
@@ -125,17 +127,66 @@ def test_largest_eigenvalue_is_never_above_and_close_to_the_largest(r, gap, seed
     assert estimate >= exact * (1 - (1e-9 if gap >= 0.3 else 0.05))
 
 
-def test_zero_directions_stay_zero_by_either_method():
+def test_zero_blocks_stay_zero_and_leave_the_others_to_newton_schulz(monkeypatch):
+    """An expert that got no tokens (a zero block) beside others: its direction is 0, and the other
+    blocks still converge by Newton–Schulz (eigh is not called)."""
+    numerator = torch.randn(4 * 16, 8, generator=torch.Generator().manual_seed(3))
+    numerator[16:32] = 0
+    expected = [reference.polar(block, POLAR_FLOOR) for block in numerator.double().split(16)]
+    monkeypatch.setattr(polar, "_eigh_inverse_sqrt", None)  # any fallback would fail
+    for directions in (orthogonal_directions([numerator, torch.zeros(5, 8)], [4, 1], method="newton-schulz"),):
+        assert torch.equal(directions[1], torch.zeros(5, 8))
+        for block, alone in zip(directions[0].split(16), expected):
+            torch.testing.assert_close(block.double(), alone, rtol=0, atol=1e-5)
+    monkeypatch.undo()
     for method in polar.METHODS:
-        directions = orthogonal_directions([torch.zeros(4, 3), torch.zeros(2 * 5, 3)], [1, 2], method=method)
-        assert all(torch.equal(u, torch.zeros_like(u)) for u in directions)
+        zero = orthogonal_directions([torch.zeros(4, 3)], method=method)[0]
+        assert torch.equal(zero, torch.zeros(4, 3))
+
+
+def test_only_the_blocks_that_do_not_converge_go_to_eigh(monkeypatch):
+    """Block 1 reported unconverged: eigh recomputes it alone, the others keep their Newton–Schulz
+    roots."""
+    generator = torch.Generator().manual_seed(5)
+    numerators = torch.randn(3, 20, 6, generator=generator, dtype=torch.float64)
+    grams = numerators.mT @ numerators
+    iterated = regularised_inverse_sqrt(grams, POLAR_FLOOR, "newton-schulz")
+    exact = regularised_inverse_sqrt(grams, POLAR_FLOOR, "eigh")
+    original = polar._newton_schulz_inverse_sqrt
+
+    def one_unconverged(*args):
+        root, _ = original(*args)
+        return root, torch.tensor([True, False, True])
+
+    calls = []
+    eigh = polar._eigh_inverse_sqrt
+    monkeypatch.setattr(polar, "_newton_schulz_inverse_sqrt", one_unconverged)
+    monkeypatch.setattr(polar, "_eigh_inverse_sqrt", lambda g, s: calls.append(g.shape[0]) or eigh(g, s))
+    roots = regularised_inverse_sqrt(grams, POLAR_FLOOR, "newton-schulz")
+    assert calls == [1]
+    assert torch.equal(roots[[0, 2]], iterated[[0, 2]]) and torch.equal(roots[1], exact[1])
+
+
+def test_newton_schulz_batches_are_bounded_and_equal_one_batch(monkeypatch):
+    """Targets beyond ``BATCH_BYTES`` of Gram matrices go in several batches, with the same result."""
+    generator = torch.Generator().manual_seed(6)
+    numerators = [torch.randn(30, 8, generator=generator) for _ in range(7)]
+    together = orthogonal_directions(numerators, method="newton-schulz")
+    sizes = []
+    original = polar.regularised_inverse_sqrt
+    monkeypatch.setattr(polar, "regularised_inverse_sqrt", lambda g, *a: sizes.append(g.shape[0]) or original(g, *a))
+    monkeypatch.setattr(polar, "BATCH_BYTES", 3 * 8 * 8 * 8)  # three 8×8 float64 matrices
+    chunked = orthogonal_directions(numerators, method="newton-schulz")
+    assert sizes == [3, 3, 1]
+    for a, b in zip(together, chunked):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
 def test_newton_schulz_that_does_not_converge_falls_back_to_eigh(monkeypatch):
     generator = torch.Generator().manual_seed(1)
     numerator = low_rank(40, 16, 16, 1.0, generator)
     grams = (numerator.T @ numerator).unsqueeze(0)
-    monkeypatch.setattr(polar, "_NEWTON_SCHULZ_TOLERANCE", 0.0)  # no float64 iterate is that exact
+    monkeypatch.setattr(polar, "NEWTON_SCHULZ_TOLERANCE", 0.0)  # no float64 iterate is that exact
     assert torch.equal(
         regularised_inverse_sqrt(grams, POLAR_FLOOR, "newton-schulz"),
         regularised_inverse_sqrt(grams, POLAR_FLOOR, "eigh"),
@@ -149,6 +200,7 @@ def test_newton_schulz_that_does_not_converge_falls_back_to_eigh(monkeypatch):
         ({"floor": 0.0}, "floor must be in"),
         ({"floor": 1.0}, "floor must be in"),
         ({"experts": [1, 1]}, "experts: one count per numerator"),
+        ({"experts": [3]}, r"numerators\[0\]: expected a 2-D E·d × r matrix of experts\[0\] = 3 blocks"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, message):

@@ -17,6 +17,7 @@ from logra_optim.updates import (
     gram,
     low_rank_sq_norm,
     next_direction,
+    next_directions,
     merge_low_rank_,
     relative_step_size,
     step_sizes,
@@ -529,3 +530,24 @@ def test_orthogonal_direction_of_stacked_experts_is_each_experts_polar_factor(ex
         torch.testing.assert_close(block, orthogonal_direction(expected), rtol=0, atol=2e-5)
     _, state = next_direction("orthogonal", torch.cat(blocks), {}, experts=experts)
     assert set(state) == {"step"}
+
+
+def test_next_directions_of_several_targets_equal_each_alone():
+    """Targets of two ranks, one with stacked experts, each kind: the batch gives what each target
+    alone gives; an unknown kind is refused by name."""
+    generator = torch.Generator().manual_seed(8)
+    sketches = [torch.randn(6, 4, generator=generator), torch.randn(3 * 5, 4, generator=generator)]
+    sketches.append(torch.randn(7, 2, generator=generator))
+    experts = [1, 3, 1]
+    state = {"step": torch.tensor(1.0), "first_moment": torch.randn(6, 4, generator=generator)}
+    states = [state, {}, {}]
+    for kind in ("rowadam", "orthogonal", "sgd"):
+        for beta1 in (0.0, 0.9):
+            states = [state if beta1 else {}, {}, {}]
+            together = next_directions(kind, sketches, states, beta1=beta1, experts=experts)
+            for (u, new_state), sketch, old, e in zip(together, sketches, states, experts):
+                alone, alone_state = next_direction(kind, sketch, old, beta1=beta1, experts=e)
+                torch.testing.assert_close(u, alone, rtol=0, atol=1e-6)
+                assert set(new_state) == set(alone_state)
+    with pytest.raises(ValueError, match="direction must be one of rowadam, orthogonal, sgd, got 'adam'"):
+        next_directions("adam", sketches, states)
