@@ -12,7 +12,7 @@ only, over batches of targets of one ``r``: cuSOLVER's eigendecomposition of a 2
 about 2 ms and does not batch at that size, 0.11 s of GPU time per update for the 56 targets of an
 8-layer Qwen2.5-1.5B on an H200, against 0.47 s for the optimizer's whole step (docs/benchmarks.md,
 "On a GPU"). The two paths are built to compute one function, and ``tests/test_polar.py`` checks
-them against each other on the CPU.
+them against each other on the CPU (and gpu_check.py on a GPU).
 """
 
 from __future__ import annotations
