@@ -70,13 +70,18 @@ def orthogonal_directions(
             )
     directions: list[torch.Tensor | None] = [None] * len(numerators)
     for chunk, chosen in _chunks(numerators, experts, method):
-        # One target's float64 copy at a time: all of them at once would weigh twice the sketches.
-        grams = [_gram(numerators[i], experts[i]) for i in chunk]
+        # One target's float64 copy at a time: all of them at once would weigh twice the sketches. A
+        # chunk of one target (the CPU's) keeps its copy from the Gram matrix to the product.
+        kept = None
+        grams = []
+        for index in chunk:
+            kept = _blocks(numerators[index], experts[index])
+            grams.append(kept.mT @ kept)
         roots = regularised_inverse_sqrt(torch.cat(grams), floor, chosen).split([experts[i] for i in chunk])
         for index, root in zip(chunk, roots):
-            numerator = numerators[index]
-            blocks = numerator.double().reshape(experts[index], -1, numerator.shape[-1])
-            directions[index] = (blocks @ root).reshape(numerator.shape).to(numerator.dtype)
+            blocks = kept if len(chunk) == 1 else _blocks(numerators[index], experts[index])
+            directions[index] = (blocks @ root).reshape(numerators[index].shape).to(numerators[index].dtype)
+        del kept
     return directions
 
 
@@ -100,10 +105,9 @@ def _chunks(numerators: Sequence[torch.Tensor], experts: Sequence[int], method: 
         yield chunk, chosen
 
 
-def _gram(numerator: torch.Tensor, experts: int) -> torch.Tensor:
-    """``NᵀN`` of each of the ``experts`` blocks of ``numerator``'s rows, in float64: ``E × r × r``."""
-    blocks = numerator.double().reshape(experts, -1, numerator.shape[-1])
-    return blocks.mT @ blocks
+def _blocks(numerator: torch.Tensor, experts: int) -> torch.Tensor:
+    """``numerator`` in float64 as its ``experts`` blocks of rows: ``E × d × r``."""
+    return numerator.double().reshape(experts, -1, numerator.shape[-1])
 
 
 def orthogonal_direction(numerator: torch.Tensor, experts: int = 1, floor: float = POLAR_FLOOR) -> torch.Tensor:

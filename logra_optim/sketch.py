@@ -115,7 +115,7 @@ class SketchedLinear(torch.autograd.Function):
             # 16 bits; products of microbatches are then summed in fp32.
             ctx.sketch.add_(g.t() @ xp)
             if ctx.state is not None and g.dtype in (torch.bfloat16, torch.float16):
-                ctx.state.sketched_in_16_bit = True  # its rounding noise: see updates.POLAR_FLOOR_16BIT
+                ctx.state.sketched_in_16_bit = True  # its rounding noise: see polar.POLAR_FLOOR_16BIT
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
             grad_x = (grad_output @ weight.to(grad_output.dtype)).to(ctx.x_dtype)

@@ -13,9 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .polar import POLAR_FLOOR, POLAR_FLOOR_16BIT, orthogonal_direction, orthogonal_directions
-
-__all__ = ["POLAR_FLOOR", "POLAR_FLOOR_16BIT", "orthogonal_direction", "orthogonal_directions"]  # re-exported
+from .polar import POLAR_FLOOR, orthogonal_directions
 
 # Row chunk of the merge for low-precision weights: bounds the fp32 temporary to about 64 MiB.
 MERGE_CHUNK_BYTES = 64 * 2**20

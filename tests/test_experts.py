@@ -26,7 +26,8 @@ from logra_optim.patching import target_state
 from logra_optim.projection import ProjectionSpec
 from logra_optim.sketch import SharedProjection
 from logra_optim.probe import contexts_from_batch, jvp_predicted_kl
-from logra_optim.updates import POLAR_FLOOR, POLAR_FLOOR_16BIT, merge_transposed_experts_
+from logra_optim.polar import POLAR_FLOOR, POLAR_FLOOR_16BIT
+from logra_optim.updates import merge_transposed_experts_
 from tests.helpers.reference import U16, kl_divergence, merged
 from tests.helpers.tiny import fixed_batch, tiny_gpt_oss, tiny_qwen3_moe
 

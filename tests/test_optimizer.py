@@ -23,7 +23,7 @@ from tests.helpers.optim import assert_same_state, backward_random, snapshot, tw
 from tests.helpers.recorders import OutputShapes
 from tests.helpers.reference import U16, U32
 from tests.helpers.tiny import OneLinear, TwoLinear, fixed_batch, sketches, tiny_qwen2
-from logra_optim.updates import POLAR_FLOOR, POLAR_FLOOR_16BIT
+from logra_optim.polar import POLAR_FLOOR, POLAR_FLOOR_16BIT
 from logra_optim.patching import target_state
 from logra_optim.projection import projection_key
 

@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from logra_optim.updates import (
-    orthogonal_direction,
     basis_change,
     carry_first_moment,
     first_moment,
@@ -24,6 +23,7 @@ from logra_optim.updates import (
     rowadam_direction,
     stochastic_round_to_bf16,
 )
+from logra_optim.polar import orthogonal_direction
 from logra_optim.projection import make_projection
 from tests.helpers.reference import U16, U32, bf16_neighbours, carried, merged, momentum_step, rowadam_step
 
