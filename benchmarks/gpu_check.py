@@ -196,17 +196,16 @@ def check_directions(device: str, quick: bool) -> dict:
         for d in per_layer * (2 if quick else 8)
     ]
     on_device = [n.to(device) for n in numerators]
-    seconds = {}
+    seconds, directions = {}, {}
     for method in ("newton-schulz", "eigh"):
         orthogonal_directions(on_device, method=method)  # warm-up
         synchronize(device)
         started = time.perf_counter()
-        directions = orthogonal_directions(on_device, method=method)
+        directions[method] = orthogonal_directions(on_device, method=method)
         synchronize(device)
         seconds[method] = time.perf_counter() - started
-        if method == "newton-schulz":
-            reference = orthogonal_directions(numerators, method="eigh")
-            worst = max(float((u.cpu() - e).abs().max()) for u, e in zip(directions, reference))
+    reference = orthogonal_directions(numerators, method="eigh")
+    worst = max(float((u.cpu() - e).abs().max()) for u, e in zip(directions["newton-schulz"], reference))
     tolerance = 1e-5  # fp32 directions of unit singular values
     return {
         "status": "pass" if worst <= tolerance else "FAIL",
