@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 
+from logra_optim import patch_model
 from logra_optim.cli import main, tasks
 from logra_optim.cli import plan as plan_module
 from logra_optim.cli.runner import WorkerFailed, run_fresh
@@ -346,16 +347,44 @@ def test_bench_on_the_tiny_preset(tmp_path):
 
 def test_bench_peers_floor_and_accumulation(tmp_path):
     """APOLLO, APOLLO-Mini (rank 1 whatever --rank says), Flora and the frozen floor, with two
-    microbatches per step."""
-    data = run_tiny_bench(tmp_path, "adamw,apollo,apollo-mini,flora,frozen,logra-rowadam", "--accumulation", "2")
+    microbatches per step, in workers whose glibc mmap threshold is fixed; each method's state and
+    its peak above the floor plus that state."""
+    methods = "adamw,apollo,apollo-mini,flora,frozen,logra-rowadam"
+    data = run_tiny_bench(tmp_path, methods, "--accumulation", "2", "--malloc-threshold", "fixed")
     labels = [r["label"] for r in data["results"]]
     assert labels == ["adamw", "apollo r=8", "apollo-mini r=1", "flora r=8", "frozen", "logra-rowadam r=8"]
     by_label = {r["label"]: r for r in data["results"]}
-    everything = sum(p.numel() for p in build_tiny_model(bench_preset("tiny")).parameters())
+    model = build_tiny_model(bench_preset("tiny"))
+    everything = sum(p.numel() for p in model.parameters())
     for label in ("adamw", "apollo r=8", "apollo-mini r=1", "flora r=8"):
         assert by_label[label]["trained_params"] == everything, label
     assert by_label["frozen"]["trained_params"] == 0
     assert data["meta"]["accumulation"] == 2 and "× 2 microbatches" in data["meta"]["title"]
+    # Every worker ran with the threshold set (glibc reads it at start-up), and the run says so.
+    assert data["meta"]["malloc_threshold"] == "fixed" and "mmap threshold fixed" in data["meta"]["title"]
+    assert {r["malloc_mmap_threshold"] for r in data["results"]} == {str(128 * 1024)}
+    # State: AdamW's two fp32 moments and a step count per parameter; LoGRA's fp32 sketch, first
+    # moment and RowAdam's row second moment per target row (rank 8), and a step count per target;
+    # the floor keeps none.
+    assert by_label["adamw"]["state_bytes"] == 8 * everything + 4 * len(list(model.parameters()))
+    targets = [module.weight for module in patch_model(model).modules() if hasattr(module, "_logra")]
+    rows = sum(weight.shape[0] for weight in targets)
+    assert by_label["logra-rowadam r=8"]["state_bytes"] == 4 * rows * (8 + 8 + 1) + 4 * len(targets)
+    assert by_label["frozen"]["state_bytes"] == 0
+    markdown = (tmp_path / "bench.md").read_text()
+    assert "above floor + state / AdamW" in markdown and "| floor |" in markdown
+
+
+def test_above_floor_subtracts_the_floor_and_each_state():
+    from logra_optim.cli.bench import above_floor
+
+    def result(method, peak, state=0):
+        return {"label": method, "method": method, "peak_bytes": peak, "state_bytes": state}
+
+    results = [result("adamw", 1000, 400), result("frozen", 300), result("logra-orthogonal", 360, 50)]
+    assert above_floor(results) == {"adamw": 0.3, "logra-orthogonal": 0.01}
+    assert above_floor(results[1:]) is None  # no dense AdamW to divide by
+    assert above_floor([results[0], results[2]]) is None  # no floor
 
 
 def test_bench_with_kl_control_and_a_bf16_probe(tmp_path, capsys):

@@ -35,6 +35,23 @@ also keeps the fastest step (load from other processes only ever adds time, so o
 it is the best estimate of a quiet one), the median optimizer part (``step`` + ``zero_grad``) and
 the absolute peak; ``--detail`` puts them in the table too. Ratios divide by dense AdamW, and by
 AdamW on the targets when it ran, measured in the same invocation.
+
+Above the floor: with ``frozen`` and ``adamw`` in the run, each method's peak minus the floor's and
+minus the state its optimizer keeps between steps (the distinct storages of ``optimizer.state``,
+and LoGRA's sketch buffers), as a share of dense AdamW's peak: what a method adds beyond the
+activations every method keeps and its own state (transient buffers, the KL probe, allocator
+retention). LoRA's adapter weights and gradients are not optimizer state, so they count above it.
+
+CPU peaks are the process's RSS high-water mark, which counts what the C allocator keeps as well
+as live tensors. glibc's ``malloc`` raises its mmap threshold (up to 32 MiB) each time a large
+block is freed, after which blocks below it come from its heap, where freed memory stays resident
+and fragmented; an RSS peak then grows over steps (the frozen floor by 0.08 GiB over three steps
+at the h1024 shape, docs/benchmarks.md). ``--malloc-threshold fixed`` starts every worker with
+``MALLOC_MMAP_THRESHOLD_`` set to glibc's initial 128 KiB, which turns the adjustment off: each
+tensor of 128 KiB or more is then a mapping of its own, returned when freed, and the peak counts
+the tensors alive at once, as ``max_memory_allocated`` does on CUDA. Fresh mappings are zeroed by
+the kernel, so step times may differ from the default's; every configuration runs alike. Other C
+libraries ignore the variable.
 """
 
 from __future__ import annotations
@@ -42,6 +59,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import platform
 import statistics
 import time
@@ -78,6 +96,8 @@ DENSE = ("adamw", "adamw-targets", "adamw8bit", "frozen")
 REFERENCES = {"adamw": "AdamW", "adamw-targets": "AdamW targets"}
 # The dense optimizers' settings (also the distributed benchmark's).
 DENSE_ADAMW = dict(lr=1e-6, betas=(0.9, 0.95))
+# --malloc-threshold: the workers' added environment (glibc reads it at start-up).
+MALLOC_THRESHOLDS = {"dynamic": {}, "fixed": {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}}
 OPTIONAL_MODULES = {
     "lora": "peft",
     "galore": "galore_torch",
@@ -143,6 +163,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", type=positive_int, default=3, help="timed steps per process")
     parser.add_argument("--rounds", type=positive_int, default=3, help="fresh processes per configuration")
     parser.add_argument("--threads", type=positive_int, help="torch threads per worker (default: torch's)")
+    parser.add_argument(
+        "--malloc-threshold",
+        choices=sorted(MALLOC_THRESHOLDS),
+        default="dynamic",
+        help="CPU workers: glibc's mmap threshold, dynamic (its default) or fixed at 128 KiB, so that the RSS "
+        "peak counts live tensors rather than freed heap glibc keeps (see the module docstring)",
+    )
     parser.add_argument("--device", type=device, default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument(
         "--detail", action="store_true", help="also tabulate the fastest step, the optimizer part and absolute peaks"
@@ -276,6 +303,8 @@ def run_worker(spec: dict) -> dict:
         "optimizer_s": optimizer_parts,
         "peak_bytes": peak - baseline,
         "peak_abs_bytes": peak,
+        "state_bytes": state_bytes(optimizer),
+        "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
         # LoGRA's targets take no .grad, so count what each optimizer updates, not requires_grad.
         "trained_params": 0
         if optimizer is None
@@ -285,6 +314,22 @@ def run_worker(spec: dict) -> dict:
         "experts": getattr(model.config, "num_experts", None) or 0,
         "top_k": getattr(model.config, "num_experts_per_tok", None) or 0,
     }
+
+
+def state_bytes(optimizer) -> int:
+    """Bytes of what ``optimizer`` keeps between steps: the distinct storages of the tensors in its
+    ``state``, and LoGRA's sketch buffers (0 for the ``frozen`` floor's ``None``)."""
+    if optimizer is None:
+        return 0
+    tensors = [value for state in optimizer.state.values() for value in state.values()]
+    if isinstance(optimizer, LoGRAOptimizer):
+        tensors += optimizer.sketch_buffers()
+    storages = {
+        (t.device, t.untyped_storage().data_ptr()): t.untyped_storage().nbytes()
+        for t in tensors
+        if isinstance(t, torch.Tensor)
+    }
+    return sum(storages.values())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -328,8 +373,24 @@ def summarize(config: Configuration, samples: list[dict]) -> dict:
         "step_times_s": steps,
         "peak_bytes": max(s["peak_bytes"] for s in samples),
         "peak_abs_bytes": max(s["peak_abs_bytes"] for s in samples),
+        "state_bytes": samples[0]["state_bytes"],
+        "malloc_mmap_threshold": samples[0]["malloc_mmap_threshold"],
         "trained_params": samples[0]["trained_params"],
         "total_params": samples[0]["total_params"],
+    }
+
+
+def above_floor(results: list[dict]) -> dict[str, float] | None:
+    """Per label, ``(peak − floor's peak − state) / dense AdamW's peak`` when ``frozen`` and
+    ``adamw`` both ran (``None`` otherwise; the floor itself is left out)."""
+    floor = next((r for r in results if r["method"] == "frozen"), None)
+    dense = next((r for r in results if r["method"] == "adamw"), None)
+    if floor is None or dense is None or dense["peak_bytes"] <= 0:
+        return None
+    return {
+        r["label"]: (r["peak_bytes"] - floor["peak_bytes"] - r["state_bytes"]) / dense["peak_bytes"]
+        for r in results
+        if r is not floor
     }
 
 
@@ -337,12 +398,14 @@ def table(results: list[dict], detail: bool = False) -> tuple[list[str], list[li
     """Headers and cells shared by the console and markdown tables: ratios to each reference that
     ran; with ``detail`` also the fastest step, the optimizer part and the absolute peak."""
     references = {name: r for name in REFERENCES for r in results if r["method"] == name}
+    excess = above_floor(results)
     headers = ["method", "trained params", "peak GiB", "step s (median)"]
     if detail:
         headers += ["step s (min)", "optimizer s (median)", "peak abs GiB"]
     for name in references:
         headers += [f"memory / {REFERENCES[name]}", f"time / {REFERENCES[name]}"]
         headers += [f"min time / {REFERENCES[name]}"] if detail else []
+    headers += ["state GiB", "above floor + state / AdamW"] if excess is not None else []
     rows = []
     for r in results:
         row = [r["label"], f"{r['trained_params'] / 1e6:.2f} M", f"{r['peak_bytes'] / GIB:.3f}", f"{r['step_s']:.3f}"]
@@ -351,6 +414,9 @@ def table(results: list[dict], detail: bool = False) -> tuple[list[str], list[li
         for base in references.values():
             row += [ratio(r["peak_bytes"], base["peak_bytes"]), ratio(r["step_s"], base["step_s"])]
             row += [ratio(r["step_min_s"], base["step_min_s"])] if detail else []
+        if excess is not None:
+            share = excess.get(r["label"])
+            row += [f"{r['state_bytes'] / GIB:.3f}", "floor" if share is None else f"{100 * share:.1f}%"]
         rows.append(row)
     return headers, rows
 
@@ -406,6 +472,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
         if getattr(args, option) and args.kl_budget is None:
             parser.error(f"--{option.replace('_', '-')} needs --kl-budget: without KL control no probe runs")
     device = resolve_device(args.device)
+    if args.malloc_threshold != "dynamic" and device != "cpu":
+        parser.error(
+            f"--malloc-threshold {args.malloc_threshold}: CPU runs only (on {device} the peak is max_memory_allocated, "
+            "which counts live tensors already)"
+        )
     layers = args.layers or (None if (args.model or args.config) else DEFAULT_LAYERS[args.preset])
     base_spec = dict(
         preset=args.preset,
@@ -424,6 +495,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
         probe_positions=args.probe_positions,
         checkpointing=args.checkpointing,
         accumulation=args.accumulation,
+        malloc_threshold=args.malloc_threshold,
     )
     console = Console(stderr=True)
     configs, skipped = configurations(args, console)
@@ -438,7 +510,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
             for config in configs:
                 progress.update(bar, description=config.label)
                 spec = {**base_spec, "method": config.method, "rank": config.rank}
-                samples[config].append(run_fresh(run_worker, spec, label=config.label))
+                env = MALLOC_THRESHOLDS[args.malloc_threshold] if device == "cpu" else None
+                samples[config].append(run_fresh(run_worker, spec, label=config.label, env=env))
                 progress.advance(bar)
     results = [summarize(config, runs) for config, runs in samples.items()]
     source = args.model or args.config or f"preset {args.preset}"
@@ -451,6 +524,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
         + (f" × {args.accumulation} microbatches" if args.accumulation > 1 else "")
         + f"; {device}"
         + ("; gradient checkpointing" if args.checkpointing else "")
+        + ("; glibc mmap threshold fixed at 128 KiB" if args.malloc_threshold == "fixed" and device == "cpu" else "")
         + f"; median of {args.rounds}×{args.runs} steps"
     )
     headers, rows = table(results, args.detail)
