@@ -372,6 +372,14 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         """The flat fp32 buffers holding every sketch (one per device), e.g. for an all-reduce."""
         return self._bank.flat_buffers()
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every tensor this optimizer keeps between steps, for memory accounting: the sketch
+        buffers, each target's state (first moment, RowAdam's row statistics, step count) and the
+        ``r×r`` Gram matrices its current projections keep. Not a non-target optimizer's state."""
+        grams = {id(p): p.kept_gram for p in self._projections(range(len(self._targets))) if p.kept_gram is not None}
+        state = [value for entry in self.state.values() for value in entry.values() if isinstance(value, torch.Tensor)]
+        return [*self.sketch_buffers(), *state, *grams.values()]
+
     # ----------------------------------------------------------------------------------------------
     # Inputs besides the sketches
 

@@ -57,6 +57,11 @@ class SharedProjection:
             self._gram = gram(self.generate())
         return self._gram
 
+    @property
+    def kept_gram(self) -> torch.Tensor | None:
+        """The Gram matrix if :meth:`gram` has computed and kept it, else ``None`` (computes nothing)."""
+        return self._gram
+
     def generate(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``A`` on this projection's device, cast to ``dtype``: a new tensor at every call."""
         return self.spec.generate(self.device, dtype)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from logra_optim import patch_model
+from logra_optim.patching import patched_modules
 from logra_optim.cli import main, tasks
 from logra_optim.cli import plan as plan_module
 from logra_optim.cli.runner import WorkerFailed, run_fresh
@@ -361,18 +362,53 @@ def test_bench_peers_floor_and_accumulation(tmp_path):
     assert by_label["frozen"]["trained_params"] == 0
     assert data["meta"]["accumulation"] == 2 and "× 2 microbatches" in data["meta"]["title"]
     # Every worker ran with the threshold set (glibc reads it at start-up), and the run says so.
-    assert data["meta"]["malloc_threshold"] == "fixed" and "mmap threshold fixed" in data["meta"]["title"]
+    assert data["meta"]["malloc_threshold"] == "fixed" and "mmap threshold fixed at 131072" in data["meta"]["title"]
     assert {r["malloc_mmap_threshold"] for r in data["results"]} == {str(128 * 1024)}
     # State: AdamW's two fp32 moments and a step count per parameter; LoGRA's fp32 sketch, first
-    # moment and RowAdam's row second moment per target row (rank 8), and a step count per target;
-    # the floor keeps none.
+    # moment and RowAdam's row second moment per target row (rank 8), a step count per target, and
+    # the r×r fp32 Gram matrix of each projection (one per distinct input of a layer: q/k/v, o,
+    # gate/up, down); the floor keeps none.
     assert by_label["adamw"]["state_bytes"] == 8 * everything + 4 * len(list(model.parameters()))
-    targets = [module.weight for module in patch_model(model).modules() if hasattr(module, "_logra")]
+    targets = [module.weight for _, module in patched_modules(patch_model(model))]
     rows = sum(weight.shape[0] for weight in targets)
-    assert by_label["logra-rowadam r=8"]["state_bytes"] == 4 * rows * (8 + 8 + 1) + 4 * len(targets)
+    grams = 4 * model.config.num_hidden_layers * 8 * 8 * 4
+    assert by_label["logra-rowadam r=8"]["state_bytes"] == 4 * rows * (8 + 8 + 1) + 4 * len(targets) + grams
     assert by_label["frozen"]["state_bytes"] == 0
-    markdown = (tmp_path / "bench.md").read_text()
-    assert "above floor + state / AdamW" in markdown and "| floor |" in markdown
+    floor, logra, adamw = (by_label[label] for label in ("frozen", "logra-rowadam r=8", "adamw"))
+    share = (logra["peak_bytes"] - floor["peak_bytes"] - logra["state_bytes"]) / adamw["peak_bytes"]
+    row = next(line for line in (tmp_path / "bench.md").read_text().splitlines() if line.startswith("| logra"))
+    assert row.endswith(f"| {logra['state_bytes'] / 2**30:.3f} | {100 * share:.1f}% |")
+    assert "| frozen |" in (tmp_path / "bench.md").read_text() and "| floor |" in (tmp_path / "bench.md").read_text()
+
+
+@pytest.mark.parametrize("method", ["galore", "apollo"])
+def test_state_bytes_counts_the_projectors_matrices(method):
+    """GaLore and APOLLO keep their projection matrices in a projector object inside their state,
+    not as tensors of it: the bench's state counts them too, each by the storage it keeps alive
+    (GaLore's is a slice of its SVD's factor)."""
+    from logra_optim.cli.bench import make_optimizer, method_available, state_bytes
+
+    if method_available(method):
+        pytest.skip(method_available(method))
+    model, optimizer = make_optimizer(build_tiny_model(bench_preset("tiny")), method, 8)
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(input_ids=input_ids, labels=input_ids).loss.backward()
+    optimizer.step()
+    values = [value for state in optimizer.state.values() for value in state.values()]
+    direct = sum(value.untyped_storage().nbytes() for value in values if isinstance(value, torch.Tensor))
+    projectors = [value for value in values if not isinstance(value, torch.Tensor) and hasattr(value, "__dict__")]
+    held = sum(
+        t.untyped_storage().nbytes() for p in projectors for t in vars(p).values() if isinstance(t, torch.Tensor)
+    )
+    assert held > 0 and state_bytes(optimizer) == direct + held
+
+
+def test_bench_refuses_a_fixed_malloc_threshold_on_cuda(capsys, tmp_path, monkeypatch):
+    from logra_optim.cli import bench
+
+    monkeypatch.setattr(bench, "resolve_device", lambda device: "cuda")
+    message = usage_error(capsys, "bench", "--malloc-threshold", "fixed", "--output", str(tmp_path))
+    assert "--malloc-threshold fixed: CPU runs only" in message
 
 
 def test_above_floor_subtracts_the_floor_and_each_state():

@@ -311,6 +311,24 @@ def test_non_target_optimizer_state_is_checkpointed(batch):
         LoGRAOptimizer(plain_model, rank=4, lr=1e-3).load_state_dict(state)
 
 
+@pytest.mark.parametrize("share_projections", [True, False])
+def test_state_tensors_are_what_the_optimizer_keeps_between_steps(batch, share_projections):
+    """Sketch buffers, each target's state and one ``r×r`` Gram matrix per distinct projection
+    (four per layer when siblings share ``A``: q/k/v, o, gate/up, down; one per target otherwise)."""
+    model = patch_model(tiny_qwen2())
+    opt = LoGRAOptimizer(model, rank=4, update_ratio=1e-3, share_projections=share_projections)
+    assert all(any(t is b for t in opt.state_tensors()) for b in opt.sketch_buffers())
+    model.train()
+    model(**batch).loss.backward()
+    opt.step()
+    kept = opt.state_tensors()
+    grams = [t for t in kept if t.shape == (4, 4)]
+    assert len(grams) == (8 if share_projections else len(opt.targets))
+    moments = [opt.state[target.weight]["first_moment"] for target in opt.targets]
+    assert all(any(t is m for t in kept) for m in moments)
+    assert len(kept) == len(opt.sketch_buffers()) + sum(len(s) for s in opt.state.values()) + len(grams)
+
+
 def test_state_dict_keeps_the_projection_sharing(batch):
     """``share_projections`` is part of what determines ``A``: a resume draws the projections the
     checkpoint was trained with, and a checkpoint from before the option (no key) drew one per target."""

@@ -37,15 +37,15 @@ the absolute peak; ``--detail`` puts them in the table too. Ratios divide by den
 AdamW on the targets when it ran, measured in the same invocation.
 
 Above the floor: with ``frozen`` and ``adamw`` in the run, each method's peak minus the floor's and
-minus the state its optimizer keeps between steps (the distinct storages of ``optimizer.state``,
-and LoGRA's sketch buffers), as a share of dense AdamW's peak: what a method adds beyond the
+minus the state its optimizer keeps between steps (:func:`state_bytes`), as a share of dense
+AdamW's peak: what a method adds beyond the
 activations every method keeps and its own state (transient buffers, the KL probe, allocator
 retention). LoRA's adapter weights and gradients are not optimizer state, so they count above it.
 
 CPU peaks are the process's RSS high-water mark, which counts what the C allocator keeps as well
 as live tensors. glibc's ``malloc`` raises its mmap threshold (up to 32 MiB) each time a large
 block is freed, after which blocks below it come from its heap, where freed memory stays resident
-and fragmented; an RSS peak then grows over steps (the frozen floor by 0.08 GiB over three steps
+and fragmented; an RSS peak then grows over steps (the frozen floor's by 0.05 GiB over three steps
 at the h1024 shape, docs/benchmarks.md). ``--malloc-threshold fixed`` starts every worker with
 ``MALLOC_MMAP_THRESHOLD_`` set to glibc's initial 128 KiB, which turns the adjustment off: each
 tensor of 128 KiB or more is then a mapping of its own, returned when freed, and the peak counts
@@ -317,13 +317,18 @@ def run_worker(spec: dict) -> dict:
 
 
 def state_bytes(optimizer) -> int:
-    """Bytes of what ``optimizer`` keeps between steps: the distinct storages of the tensors in its
-    ``state``, and LoGRA's sketch buffers (0 for the ``frozen`` floor's ``None``)."""
+    """Bytes of what ``optimizer`` keeps between steps, counted once per storage: LoGRA's
+    :meth:`~logra_optim.LoGRAOptimizer.state_tensors` (sketches, per-target state, the projections'
+    Gram matrices); for any other optimizer the tensors in its ``state``, and those one attribute
+    down in objects there (GaLore's and APOLLO's projectors keep their matrices so). 0 for the
+    ``frozen`` floor's ``None``."""
     if optimizer is None:
         return 0
-    tensors = [value for state in optimizer.state.values() for value in state.values()]
     if isinstance(optimizer, LoGRAOptimizer):
-        tensors += optimizer.sketch_buffers()
+        tensors = optimizer.state_tensors()
+    else:
+        values = [value for state in optimizer.state.values() for value in state.values()]
+        tensors = [v for value in values for v in (value, *getattr(value, "__dict__", {}).values())]
     storages = {
         (t.device, t.untyped_storage().data_ptr()): t.untyped_storage().nbytes()
         for t in tensors
@@ -443,6 +448,16 @@ def plot(results: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def _threshold_note(results: list[dict]) -> str:
+    """The title's note when workers ran with glibc's mmap threshold set (by ``--malloc-threshold
+    fixed``, or inherited from this process's environment), as each worker recorded it."""
+    thresholds = sorted({r["malloc_mmap_threshold"] for r in results if r.get("malloc_mmap_threshold")})
+    if not thresholds:
+        return ""
+    fixed = ", ".join(thresholds)
+    return f"; glibc mmap threshold fixed at {fixed} bytes (step times not comparable with glibc's default)"
+
+
 def configurations(args: argparse.Namespace, console) -> tuple[list[Configuration], dict[str, str]]:
     """What runs, in ``--methods`` order (RowAdam at ``--rank`` and every ``--ranks``), and which
     methods are skipped and why."""
@@ -524,7 +539,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
         + (f" × {args.accumulation} microbatches" if args.accumulation > 1 else "")
         + f"; {device}"
         + ("; gradient checkpointing" if args.checkpointing else "")
-        + ("; glibc mmap threshold fixed at 128 KiB" if args.malloc_threshold == "fixed" and device == "cpu" else "")
+        + _threshold_note(results)
         + f"; median of {args.rounds}×{args.runs} steps"
     )
     headers, rows = table(results, args.detail)
