@@ -8,7 +8,8 @@ level as the bench measures it. Run from the repository root, once per allocator
     MALLOC_MMAP_THRESHOLD_=131072 python benchmarks/results/bench-h1024-fixed-malloc/trace_rss.py ...
 
 ``--trim``: call glibc's ``malloc_trim(0)`` after each step and trace again (what freed heap glibc
-still held). The last lines count the tensors Python can reach (parameters aside), by storage.
+still held). ``trace_rss.txt`` also holds two runs with ``MKL_DISABLE_FAST_MM=1`` (MKL's buffer pool
+off) beside the fixed threshold. The last lines count the tensors Python can reach (parameters aside), by storage.
 """
 
 import ctypes
