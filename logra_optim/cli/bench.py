@@ -539,7 +539,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
         + (f" × {args.accumulation} microbatches" if args.accumulation > 1 else "")
         + f"; {device}"
         + ("; gradient checkpointing" if args.checkpointing else "")
-        + _threshold_note(results)
+        + (_threshold_note(results) if device == "cpu" else "")
         + f"; median of {args.rounds}×{args.runs} steps"
     )
     headers, rows = table(results, args.detail)
