@@ -67,6 +67,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.autograd.forward_ad as fwAD
 
 from logra_optim import LoGRAOptimizer, patch_model
 
@@ -272,6 +273,10 @@ def run_worker(spec: dict) -> dict:
         importlib.import_module(OPTIONAL_MODULES[spec["method"]])
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
+    # Forward-mode AD imports its JVP decompositions at its first dual level, about 8 MiB of module
+    # code that the KL probe's first step would otherwise count as training memory.
+    with fwAD.dual_level():
+        fwAD.make_dual(torch.zeros(1), torch.zeros(1)).mul(1.0)
     device = spec["device"]
     baseline = memory_baseline(device)
     model = build_model(spec, device)
