@@ -8,8 +8,10 @@ level as the bench measures it. Run from the repository root, once per allocator
     MALLOC_MMAP_THRESHOLD_=131072 python benchmarks/results/bench-h1024-fixed-malloc/trace_rss.py ...
 
 ``--trim``: call glibc's ``malloc_trim(0)`` after each step and trace again (what freed heap glibc
-still held). ``trace_rss.txt`` also holds two runs with ``MKL_DISABLE_FAST_MM=1`` (MKL's buffer pool
-off) beside the fixed threshold. The last lines count the tensors Python can reach (parameters aside), by storage.
+still held). ``--warm``: enter one forward-mode dual level before the baseline, as ``logra bench``
+now does (its first use imports torch's JVP decompositions). ``trace_rss.txt`` also holds two runs
+with ``MKL_DISABLE_FAST_MM=1`` (MKL's buffer pool off) beside the fixed threshold. The last lines
+count the tensors Python can reach (parameters aside), by storage.
 """
 
 import ctypes
@@ -31,9 +33,12 @@ def rss() -> dict[str, float]:
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if a != "--trim"]
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
     method, budget = args[0], float(args[1]) if len(args) > 1 else None
     torch.set_num_threads(2)
+    if "--warm" in sys.argv:
+        with torch.autograd.forward_ad.dual_level():
+            torch.autograd.forward_ad.make_dual(torch.zeros(1), torch.zeros(1)).mul(1.0)
     base = rss()["VmHWM"]
 
     def show(phase: str) -> None:
