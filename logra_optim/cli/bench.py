@@ -38,9 +38,9 @@ AdamW on the targets when it ran, measured in the same invocation.
 
 Above the floor: with ``frozen`` and ``adamw`` in the run, each method's peak minus the floor's and
 minus the state its optimizer keeps between steps (:func:`state_bytes`), as a share of dense
-AdamW's peak: what a method adds beyond the
-activations every method keeps and its own state (transient buffers, the KL probe, allocator
-retention). LoRA's adapter weights and gradients are not optimizer state, so they count above it.
+AdamW's peak: what a method adds beyond the activations every method keeps and its own state
+(transient buffers, the KL probe, allocator retention). LoRA's adapter weights and gradients are
+not optimizer state, so they count above it.
 
 CPU peaks are the process's RSS high-water mark, which counts what the C allocator keeps as well
 as live tensors. glibc's ``malloc`` raises its mmap threshold (up to 32 MiB) each time a large
@@ -530,7 +530,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
             for config in configs:
                 progress.update(bar, description=config.label)
                 spec = {**base_spec, "method": config.method, "rank": config.rank}
-                env = MALLOC_THRESHOLDS[args.malloc_threshold] if device == "cpu" else None
+                env = MALLOC_THRESHOLDS[args.malloc_threshold]  # "fixed" is refused off the CPU above
                 samples[config].append(run_fresh(run_worker, spec, label=config.label, env=env))
                 progress.advance(bar)
     results = [summarize(config, runs) for config, runs in samples.items()]
