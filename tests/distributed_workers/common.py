@@ -7,7 +7,11 @@ so the average over the ranks is the full batch's mean and the two runs must agr
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
+import torch.distributed as dist
 
 from logra_optim import LoGRAOptimizer, patch_model, patched_targets
 from tests.helpers.tiny import fixed_batch, tiny_gpt_oss, tiny_qwen2, tiny_qwen3_moe
@@ -97,3 +101,15 @@ def trained_weights(model) -> dict[str, torch.Tensor]:
     out = {canonical_name(name): getattr(m, a).detach().clone() for name, m, a in patched_targets(model)}
     out["model.norm.weight"] = model.model.norm.weight.detach().clone()
     return out
+
+
+def finish() -> None:
+    """End a worker rank once everything is saved: wait for every rank, take the group down, and
+    leave without running native destructors. Threads of the communication backends (gloo's,
+    DeepSpeed's) have aborted a rank at interpreter exit once in many runs ("terminate called
+    without an active exception"), after the work had passed."""
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from logra_optim import LoGRAOptimizer
 from tests.distributed_workers.common import (
+    finish,
     CONFIGS,
     MOE_MODES,
     NON_TARGET_LR,
@@ -211,14 +212,7 @@ def main() -> None:
         results["per_rank"] = everyone
         torch.save(results, os.path.join(out, f"{mode}.pt"))
         print(json.dumps({"ok": mode}))
-    dist.barrier()
-    dist.destroy_process_group()
-    if mode.startswith("zero"):
-        # Everything is saved and the group is down. DeepSpeed's CPU communication leaves native
-        # threads whose destructors, at interpreter exit, have aborted a rank once in many runs
-        # ("terminate called without an active exception", after this point): skip them.
-        sys.stdout.flush()
-        os._exit(0)
+    finish()
 
 
 if __name__ == "__main__":

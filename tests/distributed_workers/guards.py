@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from logra_optim import LoGRAOptimizer
 from logra_optim import distributed as dp
-from tests.distributed_workers.common import BATCH, build_model
+from tests.distributed_workers.common import BATCH, build_model, finish
 from logra_optim.patching import target_state
 from logra_optim.sketch import SharedProjection
 
@@ -177,8 +177,7 @@ def main() -> None:
     dist.all_gather_object(everyone, results)
     if rank == 0:
         torch.save(everyone, os.path.join(out, "guards.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

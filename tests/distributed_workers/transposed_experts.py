@@ -18,7 +18,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from tests.distributed_workers.common import MOE_MODES, STEPS
+from tests.distributed_workers.common import MOE_MODES, STEPS, finish
 from tests.distributed_workers.equivalence import Run
 
 warnings.filterwarnings("ignore", category=UserWarning)
@@ -44,8 +44,7 @@ def main() -> None:
     if rank == 0:
         torch.save(results, os.path.join(out, "transposed_experts.pt"))
         print(json.dumps({"ok": list(results)}))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":
