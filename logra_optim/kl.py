@@ -20,8 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-# Positions per chunk of the float64 vocabulary math: bounds the temporary to chunk × vocab × 8 bytes.
+# Positions per chunk of the float64 vocabulary math on an accelerator, where fewer, larger kernels win.
 _POSITIONS_PER_CHUNK = 256
+# Elements per float64 array of a chunk on a CPU: 8 MiB, so that a chunk's three arrays (z, ż, p)
+# stay in a last-level cache while the math makes its ten or so passes over them. At a vocabulary
+# of 32k this is 3-4x faster than 256 positions at a time (benchmarks/bench_kl.py).
+_CPU_CHUNK_ELEMENTS = 1 << 20
 
 
 def fisher_kl_terms(logits: torch.Tensor, tangent: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -57,12 +61,22 @@ def _per_position(terms, first: torch.Tensor, second: torch.Tensor, temperature:
     first_rows = first.reshape(-1, first.shape[-1])
     second_rows = second.reshape(-1, second.shape[-1])
     chunks = [torch.zeros(0, dtype=torch.float64, device=first.device)]
-    for start in range(0, first_rows.shape[0], _POSITIONS_PER_CHUNK):
-        rows = slice(start, start + _POSITIONS_PER_CHUNK)
+    step = positions_per_chunk(first_rows.shape[-1], first.device)
+    for start in range(0, first_rows.shape[0], step):
+        rows = slice(start, start + step)
         chunks.append(
             terms(_scaled_double(first_rows[rows], temperature), _scaled_double(second_rows[rows], temperature))
         )
     return torch.cat(chunks).reshape(first.shape[:-1])
+
+
+def positions_per_chunk(vocabulary: int, device: torch.device) -> int:
+    """Positions per chunk of the float64 vocabulary math: on a CPU as many as keep each array near
+    8 MiB (cache-resident; at least one, at most 256), elsewhere 256. Either way the temporaries are
+    bounded at ``chunk × vocabulary`` instead of ``positions × vocabulary``."""
+    if device.type != "cpu":
+        return _POSITIONS_PER_CHUNK
+    return max(1, min(_POSITIONS_PER_CHUNK, _CPU_CHUNK_ELEMENTS // max(vocabulary, 1)))
 
 
 def _scaled_double(x: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -413,8 +413,9 @@ def _probe_logits(model, contexts, logits_fn) -> torch.Tensor:
     return logits_fn(model, contexts)[contexts.probe_mask]
 
 
-# Probe positions whose logits (primal and tangent) exist at once on the chunked path.
-HEAD_CHUNK_POSITIONS = 64
+# Probe positions whose logits (primal and tangent) exist at once on the chunked path. Stacked, the
+# head's product has 512 rows: at 128 it ran at two thirds of the throughput on a 2-core CPU.
+HEAD_CHUNK_POSITIONS = 256
 
 
 def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 
+from unittest.mock import patch
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -21,6 +23,7 @@ from logra_optim.kl import (
     fisher_kl_terms,
     floored_kl,
     mismatch_sample,
+    positions_per_chunk,
     step_scale,
 )
 from tests.helpers import reference
@@ -85,6 +88,32 @@ def test_estimator_ignores_tangent_shifts_and_is_nonnegative():
     base = fisher_kl_terms(logits, tangent)
     torch.testing.assert_close(fisher_kl_terms(logits, tangent + 7.0), base)
     assert (base >= 0).all()
+
+
+@settings(max_examples=30, deadline=None)
+@given(**shapes, chunk=st.integers(1, 7))
+def test_vocabulary_math_is_the_same_in_any_chunking(seed, positions, vocab, spread, temperature, chunk):
+    # On a CPU the positions are taken `chunk` at a time (ragged last chunk included); each
+    # position's terms must not depend on which others share its chunk.
+    logits, tangent = _random_logits(seed, positions, vocab, spread)
+    with patch("logra_optim.kl._CPU_CHUNK_ELEMENTS", chunk * vocab):
+        assert positions_per_chunk(vocab, logits.device) == chunk
+        fisher = fisher_kl_terms(logits, tangent, temperature)
+        exact = exact_kl_terms(logits, logits + tangent, temperature)
+    expected = reference.fisher_quadratic_form(logits, tangent, temperature)
+    torch.testing.assert_close(fisher, expected, rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(
+        exact, reference.kl_divergence(logits, logits + tangent, temperature), rtol=1e-9, atol=1e-15
+    )
+
+
+def test_chunks_fit_a_cache_on_cpu_and_stay_large_elsewhere():
+    cpu = torch.device("cpu")
+    assert positions_per_chunk(32_000, cpu) == 32  # 8 MiB of float64 per array
+    assert positions_per_chunk(151_936, cpu) == 6
+    assert positions_per_chunk(3_000_000, cpu) == 1  # never zero
+    assert positions_per_chunk(16, cpu) == 256  # capped: the temporaries stay bounded
+    assert positions_per_chunk(151_936, torch.device("cuda")) == 256  # no device needed to ask
 
 
 @settings(max_examples=40, deadline=None)
