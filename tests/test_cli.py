@@ -403,6 +403,27 @@ def test_state_bytes_counts_the_projectors_matrices(method):
     assert held > 0 and state_bytes(optimizer) == direct + held
 
 
+@pytest.mark.parametrize("preset", ["core", "qwen2.5-1.5b", "moe-core"])
+def test_the_warm_up_model_is_tiny_and_of_the_same_kind(preset):
+    """A CPU worker pages its method's library code in on this model before its baseline: it must
+    build, be small, and keep the benchmarked model's kind, attention grouping and experts."""
+    from transformers import AutoConfig
+
+    from logra_optim.cli.bench import build_model, warm_config
+
+    settings = bench_preset(preset)
+    config = AutoConfig.for_model(settings.pop("model_type", "qwen2"), **settings)
+    warm = warm_config(config)
+    model = build_model({}, "cpu", warm)
+    assert type(model.config) is type(config) and warm.num_hidden_layers == 2
+    assert sum(p.numel() for p in model.parameters()) < 1e6
+    assert warm.vocab_size == 256 and warm.hidden_size == 16 * warm.num_attention_heads <= 128
+    group = config.num_attention_heads // config.num_key_value_heads
+    assert warm.num_attention_heads // warm.num_key_value_heads == group
+    assert getattr(warm, "num_experts", None) == getattr(config, "num_experts", None)
+    assert config.hidden_size > 128  # the benchmarked config is left as it was
+
+
 def test_bench_refuses_a_fixed_malloc_threshold_on_cuda(capsys, tmp_path, monkeypatch):
     from logra_optim.cli import bench
 

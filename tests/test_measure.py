@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from logra_optim.cli.measure import peak_rss_bytes
+from logra_optim.cli.measure import memory_baseline, peak_memory, peak_rss_bytes
 from logra_optim.cli.runner import run_fresh
 
 MIB = 2**20
@@ -33,3 +33,23 @@ def test_a_worker_reports_its_own_peak_not_its_parents():
     assert small < parent - 512 * MIB
     # The worker's own allocation shows up in full.
     assert large - small == pytest.approx(240 * MIB, rel=0.1)
+
+
+def peak_after_freeing(spec: dict) -> int:
+    """Run in a fresh process: touch and free ``spec["freed"]`` MiB, take the baseline, then touch
+    ``spec["mib"]`` MiB; the peak above the baseline."""
+    freed = bytearray(spec["freed"] * MIB)
+    freed[::4096] = b"\1" * len(freed[::4096])
+    del freed
+    baseline = memory_baseline("cpu")
+    block = bytearray(spec["mib"] * MIB)
+    block[::4096] = b"\1" * len(block[::4096])
+    return peak_memory("cpu") - baseline
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the peak is reset through /proc/self/clear_refs")
+def test_memory_freed_before_the_baseline_is_not_room_for_the_run():
+    """A warm-up's freed peak (here 256 MiB) must not hide the run's own 64 MiB, as a baseline at
+    the high-water mark would (the run would then measure 0)."""
+    peak = run_fresh(peak_after_freeing, {"freed": 256, "mib": 64}, label="worker")
+    assert peak == pytest.approx(64 * MIB, rel=0.1)

@@ -57,6 +57,8 @@ libraries ignore the variable.
 from __future__ import annotations
 
 import argparse
+import copy
+import gc
 import importlib
 import json
 import os
@@ -67,12 +69,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.autograd.forward_ad as fwAD
 
 from logra_optim import LoGRAOptimizer, patch_model
 
 from .arguments import choice_list, device, int_list, model_dir, positive_float, positive_int, writable_dir
-from .measure import GIB, memory_baseline, peak_memory, ratio, resolve_device, synchronize
+from .measure import GIB, memory_baseline, peak_memory, ratio, release_freed_heap, resolve_device, synchronize
 from .peers import FIXED_RANKS, LOW_RANK_PEERS, lora_model, low_rank_optimizer, train_only_targets, trainable
 from .runner import run_fresh
 from .shapes import DEFAULT_LAYERS, PRESETS, Shape, preset_config
@@ -203,19 +204,93 @@ def model_config(spec: dict):
     return config
 
 
-def build_model(spec: dict, device: str):
+def build_model(spec: dict, device: str, config=None):
+    """The benchmarked model (``config``: another config of the same kind instead of the spec's)."""
     from transformers import AutoModelForCausalLM
 
-    config = model_config(spec)
     torch.manual_seed(0)
-    if spec.get("model"):
-        model = AutoModelForCausalLM.from_pretrained(spec["model"], config=config, dtype=torch.float32).to(device)
+    if spec.get("model") and config is None:
+        model = AutoModelForCausalLM.from_pretrained(spec["model"], config=model_config(spec), dtype=torch.float32)
+        model = model.to(device)
     else:
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(config or model_config(spec), dtype=torch.float32)
     if spec.get("checkpointing"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.train()
+
+
+# The sizes of the model that warms a CPU worker's code paths (those its config has); its kind,
+# grouping of attention heads and experts stay the benchmarked model's.
+WARM_SIZES = dict(
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=64,
+    head_dim=16,
+    vocab_size=256,
+)
+WARM_RANK = 8
+
+
+def warm_config(config):
+    """``config`` shrunk to a model of a few hundred thousand parameters: at most two layers, every
+    size of :data:`WARM_SIZES` it has, heads of 16 and query heads per key/value head as in
+    ``config`` (one key/value head; four of each without grouping)."""
+    warm = copy.deepcopy(config)
+    for name, value in WARM_SIZES.items():
+        if getattr(warm, name, None) is not None:
+            setattr(warm, name, value)
+    heads = getattr(warm, "num_attention_heads", None) or 4
+    group = heads // (getattr(warm, "num_key_value_heads", None) or heads)
+    warm.num_attention_heads, kv_heads = (group, 1) if group > 1 else (4, 4)
+    if getattr(warm, "num_key_value_heads", None) is not None:
+        warm.num_key_value_heads = kv_heads
+    warm.hidden_size = WARM_SIZES["head_dim"] * warm.num_attention_heads
+    warm.num_hidden_layers = min(warm.num_hidden_layers, 2)
+    if getattr(warm, "layer_types", None):
+        warm.layer_types = warm.layer_types[: warm.num_hidden_layers]
+    return warm
+
+
+def warm_code_paths(spec: dict) -> None:
+    """Run the spec's method for two steps on :func:`warm_config`'s model, then free it all.
+
+    A CPU peak is resident memory, which counts the pages of shared libraries a process has
+    executed. The first step of a method pages in the kernels it uses: at the h1024 shape 19 MiB of
+    ``libtorch`` for LoGRA with the KL probe, of which 18 MiB come in on a model of this size
+    (docs/benchmarks.md). That is code, not training memory, and it differs between methods, so
+    each worker pages its own in before the baseline. ``malloc_trim`` then hands the heap glibc
+    kept back to the kernel, so the run cannot reuse memory that the baseline counted."""
+    model = build_model(spec, "cpu", warm_config(model_config(spec)))
+    model, optimizer = make_optimizer(
+        model,
+        spec["method"],
+        min(spec["rank"], WARM_RANK),
+        spec.get("kl_budget"),
+        getattr(torch, spec["probe_dtype"]) if spec.get("probe_dtype") else None,
+        spec.get("probe_positions"),
+    )
+    input_ids = torch.randint(
+        0, model.config.vocab_size, (spec["batch"], 16), generator=torch.Generator().manual_seed(1)
+    )
+    for _ in range(2):
+        training_step(model, optimizer, input_ids, spec.get("accumulation", 1))
+    del model, optimizer, input_ids
+    gc.collect()
+    release_freed_heap()
+
+
+def training_step(model, optimizer, input_ids: torch.Tensor, accumulation: int, device: str = "cpu") -> float:
+    """One step as the bench times it: ``accumulation`` forward+backward microbatches, then
+    ``step()`` and ``zero_grad()`` (none for the floor). Returns when the optimizer part began."""
+    for _ in range(accumulation):
+        model(input_ids=input_ids, labels=input_ids).loss.backward()
+    synchronize(device)
+    middle = time.perf_counter()
+    if optimizer is not None:
+        optimizer.step()
+        optimizer.zero_grad()
+    return middle
 
 
 def make_optimizer(
@@ -268,16 +343,15 @@ def run_worker(spec: dict) -> dict:
     """Measure one configuration in this (fresh) process: raw step times and the memory peak."""
     from transformers import AutoModelForCausalLM  # noqa: F401  (resolves transformers' lazy import)
 
-    # Every import the step needs happens before the memory baseline: module code is not training memory.
+    # Every import the step needs happens before the memory baseline: module code is not training
+    # memory, and on a CPU neither is library code (warm_code_paths).
+    device = spec["device"]
     if spec["method"] in OPTIONAL_MODULES:
         importlib.import_module(OPTIONAL_MODULES[spec["method"]])
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
-    # Forward-mode AD imports its JVP decompositions at its first dual level, about 8 MiB of module
-    # code that the KL probe's first step would otherwise count as training memory.
-    with fwAD.dual_level():
-        fwAD.make_dual(torch.zeros(1), torch.zeros(1)).mul(1.0)
-    device = spec["device"]
+    if device == "cpu":
+        warm_code_paths(spec)
     baseline = memory_baseline(device)
     model = build_model(spec, device)
     probe_dtype = getattr(torch, spec["probe_dtype"]) if spec.get("probe_dtype") else None
@@ -290,13 +364,7 @@ def run_worker(spec: dict) -> dict:
     for step in range(spec["warmup"] + spec["runs"]):
         synchronize(device)
         start = time.perf_counter()
-        for _ in range(spec.get("accumulation", 1)):
-            model(input_ids=input_ids, labels=input_ids).loss.backward()
-        synchronize(device)
-        middle = time.perf_counter()
-        if optimizer is not None:
-            optimizer.step()
-            optimizer.zero_grad()
+        middle = training_step(model, optimizer, input_ids, spec.get("accumulation", 1), device)
         synchronize(device)
         end = time.perf_counter()
         if step >= spec["warmup"]:

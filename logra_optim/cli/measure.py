@@ -1,15 +1,18 @@
 """How the CLI and the benchmarks measure: device choice, peak memory of the current process, units.
 
-Peak memory on CPU is the process's peak resident set size (Linux: ``VmHWM``) minus the level taken
-right after the imports, so what remains is the run's own weights, optimizer state, gradients or
-sketches and activations. On CUDA it is ``torch.cuda.max_memory_allocated`` (tensor memory only, so
-the baseline is the memory allocated when the run starts). Either way one process measures one
-configuration: peaks cannot be reset, so a configuration run after another would inherit its peak
-(``runner.run_fresh`` gives each its own process).
+Peak memory on CPU is the process's peak resident set size (Linux: ``VmHWM``) minus its resident
+size when the run starts, after the imports, so what remains is the run's own weights, optimizer
+state, gradients or sketches and activations. On Linux the high-water mark is lowered to the
+current level there, as ``torch.cuda.reset_peak_memory_stats`` does on CUDA, where the peak is
+``torch.cuda.max_memory_allocated`` (tensor memory only; the baseline is the memory allocated when
+the run starts). Either way one process measures one configuration: a configuration run after
+another would inherit its allocator's state and caches (``runner.run_fresh`` gives each its own
+process).
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 import resource
 import statistics
@@ -67,12 +70,37 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB, macOS bytes
 
 
+def reset_peak_rss() -> bool:
+    """Lower this process's peak resident size (``VmHWM``) to its current one, through Linux's
+    ``/proc/self/clear_refs``; False where that file cannot be written (the peak then stays)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        return False
+    return True
+
+
 def memory_baseline(device: str) -> int:
-    """The level :func:`peak_memory` is measured above; take it after the imports."""
+    """The level :func:`peak_memory` is measured above, with the peak reset to it; take it after the
+    imports. Without the reset (no Linux), the baseline is the peak so far, which memory freed
+    before it (an import's transient, a warm-up) would raise above the resident level."""
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
         return torch.cuda.memory_allocated(device)
+    reset_peak_rss()
     return peak_rss_bytes()
+
+
+def release_freed_heap() -> bool:
+    """Hand the heap memory glibc keeps after ``free`` back to the kernel (``malloc_trim(0)``), so
+    that a baseline taken next counts only what is live. False where the C library has no such call."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):
+        return False
+    trim(0)
+    return True
 
 
 def peak_memory(device: str) -> int:
