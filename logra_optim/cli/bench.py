@@ -30,7 +30,11 @@ of the machine's load spreads over all of them. A step is forward, ``loss.backwa
 ``--batch``×``--seq`` before ``step()`` (``--checkpointing``: non-reentrant gradient checkpointing, as TRL's trainers
 default to); ``--warmup`` steps first (optimizers allocate state on their first step), then
 ``--runs`` timed steps. Reported: the median over all timed steps, and the peak memory (RSS above
-the post-import level on CPU, ``max_memory_allocated`` on CUDA), highest over rounds. ``bench.json``
+the level when the run starts on CPU, ``max_memory_allocated`` on CUDA), highest over rounds.
+Before that level is taken, a CPU worker runs its method for two steps on a model of the same kind
+shrunk to a few hundred thousand parameters (:func:`warm_code_paths`): RSS counts the library code
+a method pages in on its first step (19 MiB for LoGRA with the KL probe), which is not training
+memory. ``bench.json``
 also keeps the fastest step (load from other processes only ever adds time, so on a shared machine
 it is the best estimate of a quiet one), the median optimizer part (``step`` + ``zero_grad``) and
 the absolute peak; ``--detail`` puts them in the table too. Ratios divide by dense AdamW, and by
