@@ -24,7 +24,8 @@ import torch
 _POSITIONS_PER_CHUNK = 256
 # Elements per float64 array of a chunk on a CPU: 8 MiB, so that a chunk's three arrays (z, ż, p)
 # stay in a last-level cache while the math makes its ten or so passes over them. At a vocabulary
-# of 32k this is 3-4x faster than 256 positions at a time (benchmarks/bench_kl.py).
+# of 32k this was 2.6-3.7x faster than 256 positions at a time, at 152k about 2x
+# (benchmarks/results/kl-chunks/head_chunks.txt).
 _CPU_CHUNK_ELEMENTS = 1 << 20
 
 

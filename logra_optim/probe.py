@@ -413,9 +413,17 @@ def _probe_logits(model, contexts, logits_fn) -> torch.Tensor:
     return logits_fn(model, contexts)[contexts.probe_mask]
 
 
-# Probe positions whose logits (primal and tangent) exist at once on the chunked path. Stacked, the
-# head's product has 512 rows: at 128 it ran at two thirds of the throughput on a 2-core CPU.
+# Probe positions whose logits (primal and tangent) exist at once on the chunked path: up to 256,
+# as long as each half holds at most HEAD_CHUNK_LOGITS logits (256 positions at 32k words, 64 at
+# 152k, as many as before 256 were taken), never fewer than 64. Stacked, 256 positions make a
+# product of 512 rows: at 128 rows it ran at two thirds of the throughput on a 2-core CPU.
 HEAD_CHUNK_POSITIONS = 256
+HEAD_CHUNK_LOGITS = 1 << 23
+
+
+def head_chunk_positions(vocabulary: int) -> int:
+    """Probe positions per chunk of the LM head at ``vocabulary`` words (see HEAD_CHUNK_LOGITS)."""
+    return max(min(HEAD_CHUNK_POSITIONS, 64), min(HEAD_CHUNK_POSITIONS, HEAD_CHUNK_LOGITS // max(vocabulary, 1)))
 
 
 def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
@@ -477,7 +485,7 @@ def _chunkable_head(model: nn.Module, contexts: ProbeContexts) -> tuple[nn.Modul
 def _chunked_head_kl_terms(
     decoder, head: nn.Linear, contexts: ProbeContexts, products: LowPrecisionProducts | None = None
 ) -> torch.Tensor:
-    """Per-position ``q_s`` with the LM head applied ``HEAD_CHUNK_POSITIONS`` positions at a time
+    """Per-position ``q_s`` with the LM head applied :func:`head_chunk_positions` positions at a time
     (with ``products``, in 16 bits: the head cast once, for all chunks; the only vocabulary-sized
     16-bit copy the probe makes, and only for the probe's duration)."""
     output = decoder(input_ids=contexts.input_ids, attention_mask=contexts.attention_mask, use_cache=False)
@@ -487,8 +495,9 @@ def _chunked_head_kl_terms(
         raise RuntimeError("KL probe: the hidden states carry no tangent; no patched target was on the path to them")
     primal, tangent = primal[contexts.probe_mask], tangent[contexts.probe_mask]
     terms = [torch.zeros(0, dtype=torch.float64, device=primal.device)]
-    for start in range(0, primal.shape[0], HEAD_CHUNK_POSITIONS):
-        rows = slice(start, start + HEAD_CHUNK_POSITIONS)
+    step = head_chunk_positions(head.weight.shape[0])
+    for start in range(0, primal.shape[0], step):
+        rows = slice(start, start + step)
         logits, tangent_logits = _primal_and_tangent(primal[rows], tangent[rows], head.weight, head.bias, products)
         terms.append(fisher_kl_terms(logits, tangent_logits, contexts.temperature))
     return torch.cat(terms)

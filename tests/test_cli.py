@@ -329,6 +329,9 @@ def test_bench_on_the_tiny_preset(tmp_path):
     assert by_label["logra-sgd r=8"]["trained_params"] == targets
     assert "| adamw |" in (tmp_path / "bench.md").read_text()
     assert (tmp_path / "bench.png").read_bytes()[:8] == PNG_MAGIC
+    if sys.platform.startswith("linux"):  # each CPU worker paged its code in before its baseline
+        assert all(r["code_warmed"] for r in data["results"])
+        assert all(isinstance(r["file_pages_paged_in_bytes"], int) for r in data["results"])
 
     config = write_config(tmp_path / "model", bench_preset("tiny"))
 
@@ -422,6 +425,21 @@ def test_the_warm_up_model_is_tiny_and_of_the_same_kind(preset):
     assert warm.num_attention_heads // warm.num_key_value_heads == group
     assert getattr(warm, "num_experts", None) == getattr(config, "num_experts", None)
     assert config.hidden_size > 128  # the benchmarked config is left as it was
+
+
+def test_the_warm_up_handles_token_ids_past_its_vocabulary_and_ungrouped_heads():
+    """Real configs carry token ids of their full vocabulary (Qwen2.5's pad id 151643), and some
+    attend without grouping: the warm model must still build, and a worker must still run."""
+    from transformers import AutoConfig
+
+    from logra_optim.cli.bench import build_model, warm_config
+
+    settings = bench_preset("tiny") | dict(num_key_value_heads=2, pad_token_id=151643, eos_token_id=151643)
+    config = AutoConfig.for_model("qwen2", **settings)
+    warm = warm_config(config)
+    assert warm.num_attention_heads == warm.num_key_value_heads == 4
+    assert warm.pad_token_id is None and warm.eos_token_id is None and config.pad_token_id == 151643
+    build_model({}, "cpu", warm)
 
 
 def test_bench_refuses_a_fixed_malloc_threshold_on_cuda(capsys, tmp_path, monkeypatch):

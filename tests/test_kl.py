@@ -107,6 +107,14 @@ def test_vocabulary_math_is_the_same_in_any_chunking(seed, positions, vocab, spr
     )
 
 
+def test_the_lm_head_chunk_holds_its_logits_bounded():
+    from logra_optim.probe import head_chunk_positions
+
+    assert head_chunk_positions(32_000) == 256  # 512-row products
+    assert head_chunk_positions(151_936) == 64  # no more logits at once than 64 positions held before
+    assert head_chunk_positions(256) == 256
+
+
 def test_chunks_fit_a_cache_on_cpu_and_stay_large_elsewhere():
     cpu = torch.device("cpu")
     assert positions_per_chunk(32_000, cpu) == 32  # 8 MiB of float64 per array

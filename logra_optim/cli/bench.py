@@ -32,9 +32,11 @@ default to); ``--warmup`` steps first (optimizers allocate state on their first 
 ``--runs`` timed steps. Reported: the median over all timed steps, and the peak memory (RSS above
 the level when the run starts on CPU, ``max_memory_allocated`` on CUDA), highest over rounds.
 Before that level is taken, a CPU worker runs its method for two steps on a model of the same kind
-shrunk to a few hundred thousand parameters (:func:`warm_code_paths`): RSS counts the library code
-a method pages in on its first step (19 MiB for LoGRA with the KL probe), which is not training
-memory. ``bench.json``
+shrunk to at most two layers, heads of 16 and 256 words (:func:`warm_code_paths`): RSS counts the
+library code a method pages in on its first steps (about 25 MiB for LoGRA with the KL probe at
+h1024), which is not training memory. ``code_warmed`` in ``bench.json`` says whether it ran, and
+``file_pages_paged_in_bytes`` how much file-backed memory (``RssFile``) the measured steps still
+paged in. ``bench.json``
 also keeps the fastest step (load from other processes only ever adds time, so on a shared machine
 it is the best estimate of a quiet one), the median optimizer part (``step`` + ``zero_grad``) and
 the absolute peak; ``--detail`` puts them in the table too. Ratios divide by dense AdamW, and by
@@ -77,7 +79,17 @@ import torch
 from logra_optim import LoGRAOptimizer, patch_model
 
 from .arguments import choice_list, device, int_list, model_dir, positive_float, positive_int, writable_dir
-from .measure import GIB, memory_baseline, peak_memory, ratio, release_freed_heap, resolve_device, synchronize
+from .measure import (
+    GIB,
+    memory_baseline,
+    peak_memory,
+    ratio,
+    release_freed_heap,
+    reset_peak_rss,
+    resident_file_bytes,
+    resolve_device,
+    synchronize,
+)
 from .peers import FIXED_RANKS, LOW_RANK_PEERS, lora_model, low_rank_optimizer, train_only_targets, trainable
 from .runner import run_fresh
 from .shapes import DEFAULT_LAYERS, PRESETS, Shape, preset_config
@@ -237,7 +249,7 @@ WARM_RANK = 8
 
 
 def warm_config(config):
-    """``config`` shrunk to a model of a few hundred thousand parameters: at most two layers, every
+    """``config`` shrunk to a model of at most a few million parameters: at most two layers, every
     size of :data:`WARM_SIZES` it has, heads of 16 and query heads per key/value head as in
     ``config`` (one key/value head; four of each without grouping)."""
     warm = copy.deepcopy(config)
@@ -253,6 +265,10 @@ def warm_config(config):
     warm.num_hidden_layers = min(warm.num_hidden_layers, 2)
     if getattr(warm, "layer_types", None):
         warm.layer_types = warm.layer_types[: warm.num_hidden_layers]
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):  # ids past the small vocabulary
+        token = getattr(warm, name, None)
+        if isinstance(token, int) and token >= warm.vocab_size:
+            setattr(warm, name, None)
     return warm
 
 
@@ -260,11 +276,15 @@ def warm_code_paths(spec: dict) -> None:
     """Run the spec's method for two steps on :func:`warm_config`'s model, then free it all.
 
     A CPU peak is resident memory, which counts the pages of shared libraries a process has
-    executed. The first step of a method pages in the kernels it uses: at the h1024 shape 19 MiB of
-    ``libtorch`` for LoGRA with the KL probe, of which 18 MiB come in on a model of this size
-    (docs/benchmarks.md). That is code, not training memory, and it differs between methods, so
-    each worker pages its own in before the baseline. ``malloc_trim`` then hands the heap glibc
-    kept back to the kernel, so the run cannot reuse memory that the baseline counted."""
+    executed. The first steps of a method page in the kernels it uses: at the h1024 shape about
+    25 MiB of mapped files for LoGRA with the KL probe, of which a warm-up on this model pages in
+    all but 1.4 MiB (``benchmarks/results/bench-h1024-fixed-malloc/warm_rss.txt``). That is
+    code, not training memory, and it differs between methods, so each worker pages its own in
+    before the baseline. ``malloc_trim`` then returns the whole free pages of glibc's heap; what
+    the warm-up leaves resident (one-time caches and what glibc keeps: 5 MiB there) is in the
+    baseline.
+    Only where the baseline can lower the peak to the current level (:func:`reset_peak_rss`):
+    elsewhere the warm-up's own peak would be taken off the run's."""
     model = build_model(spec, "cpu", warm_config(model_config(spec)))
     model, optimizer = make_optimizer(
         model,
@@ -354,9 +374,11 @@ def run_worker(spec: dict) -> dict:
         importlib.import_module(OPTIONAL_MODULES[spec["method"]])
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
-    if device == "cpu":
+    warmed = device == "cpu" and reset_peak_rss()
+    if warmed:
         warm_code_paths(spec)
-    baseline = memory_baseline(device)
+    baseline = memory_baseline(device, reset_peak=True)
+    files_before = resident_file_bytes() if device == "cpu" else None
     model = build_model(spec, device)
     probe_dtype = getattr(torch, spec["probe_dtype"]) if spec.get("probe_dtype") else None
     model, optimizer = make_optimizer(
@@ -375,6 +397,7 @@ def run_worker(spec: dict) -> dict:
             steps.append(end - start)
             optimizer_parts.append(end - middle)
     peak = peak_memory(device)
+    files_after = resident_file_bytes() if files_before is not None else None
     return {
         "step_s": steps,
         "optimizer_s": optimizer_parts,
@@ -382,6 +405,9 @@ def run_worker(spec: dict) -> dict:
         "peak_abs_bytes": peak,
         "state_bytes": state_bytes(optimizer),
         "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+        "code_warmed": warmed,
+        # Mapped files paged in during the run (library code the warm-up missed, memory-mapped weights).
+        "file_pages_paged_in_bytes": None if files_after is None else files_after - files_before,
         # LoGRA's targets take no .grad, so count what each optimizer updates, not requires_grad.
         "trained_params": 0
         if optimizer is None
@@ -457,6 +483,10 @@ def summarize(config: Configuration, samples: list[dict]) -> dict:
         "peak_abs_bytes": max(s["peak_abs_bytes"] for s in samples),
         "state_bytes": samples[0]["state_bytes"],
         "malloc_mmap_threshold": samples[0]["malloc_mmap_threshold"],
+        "code_warmed": all(s["code_warmed"] for s in samples),
+        "file_pages_paged_in_bytes": None
+        if any(s["file_pages_paged_in_bytes"] is None for s in samples)
+        else max(s["file_pages_paged_in_bytes"] for s in samples),
         "trained_params": samples[0]["trained_params"],
         "total_params": samples[0]["total_params"],
     }

@@ -1,9 +1,9 @@
 """How the CLI and the benchmarks measure: device choice, peak memory of the current process, units.
 
-Peak memory on CPU is the process's peak resident set size (Linux: ``VmHWM``) minus its resident
-size when the run starts, after the imports, so what remains is the run's own weights, optimizer
-state, gradients or sketches and activations. On Linux the high-water mark is lowered to the
-current level there, as ``torch.cuda.reset_peak_memory_stats`` does on CUDA, where the peak is
+Peak memory on CPU is the process's peak resident set size (Linux: ``VmHWM``) minus the level taken
+right after the imports, so what remains is the run's own weights, optimizer state, gradients or
+sketches and activations; ``logra bench`` lowers the high-water mark to the current level there
+(``reset_peak``), as ``torch.cuda.reset_peak_memory_stats`` does on CUDA, where the peak is
 ``torch.cuda.max_memory_allocated`` (tensor memory only; the baseline is the memory allocated when
 the run starts). Either way one process measures one configuration: a configuration run after
 another would inherit its allocator's state and caches (``runner.run_fresh`` gives each its own
@@ -70,6 +70,19 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB, macOS bytes
 
 
+def resident_file_bytes() -> int | None:
+    """This process's file-backed resident memory (Linux: ``RssFile``: mapped files, above all the
+    code of shared libraries), in bytes; None where ``/proc/self/status`` does not say."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("RssFile:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def reset_peak_rss() -> bool:
     """Lower this process's peak resident size (``VmHWM``) to its current one, through Linux's
     ``/proc/self/clear_refs``; False where that file cannot be written (the peak then stays)."""
@@ -81,14 +94,16 @@ def reset_peak_rss() -> bool:
     return True
 
 
-def memory_baseline(device: str) -> int:
-    """The level :func:`peak_memory` is measured above, with the peak reset to it; take it after the
-    imports. Without the reset (no Linux), the baseline is the peak so far, which memory freed
-    before it (an import's transient, a warm-up) would raise above the resident level."""
+def memory_baseline(device: str, reset_peak: bool = False) -> int:
+    """The level :func:`peak_memory` is measured above; take it after the imports. On CUDA the peak
+    statistics are reset here. On a CPU, with ``reset_peak``, the peak resident size is lowered to
+    the current one (:func:`reset_peak_rss`), so that memory freed before (a warm-up) is not taken
+    off the run's peak; without it the baseline is the peak so far."""
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
         return torch.cuda.memory_allocated(device)
-    reset_peak_rss()
+    if reset_peak:
+        reset_peak_rss()
     return peak_rss_bytes()
 
 
