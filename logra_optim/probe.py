@@ -413,17 +413,17 @@ def _probe_logits(model, contexts, logits_fn) -> torch.Tensor:
     return logits_fn(model, contexts)[contexts.probe_mask]
 
 
-# Probe positions whose logits (primal and tangent) exist at once on the chunked path: up to 256,
-# as long as each half holds at most HEAD_CHUNK_LOGITS logits (256 positions at 32k words, 64 at
-# 152k, as many as before 256 were taken), never fewer than 64. Stacked, 256 positions make a
-# product of 512 rows: at 128 rows it ran at two thirds of the throughput on a 2-core CPU.
+# Probe positions whose logits (primal and tangent) exist at once on the chunked path: at most
+# HEAD_CHUNK_POSITIONS, and at most HEAD_CHUNK_LOGITS logits per half unless that leaves fewer than
+# 64 positions (256 positions at 32k words, 64 at 152k). Stacked, 256 positions make a product of
+# 512 rows: at 128 rows it ran at two thirds of the throughput on a 2-core CPU.
 HEAD_CHUNK_POSITIONS = 256
 HEAD_CHUNK_LOGITS = 1 << 23
 
 
 def head_chunk_positions(vocabulary: int) -> int:
-    """Probe positions per chunk of the LM head at ``vocabulary`` words (see HEAD_CHUNK_LOGITS)."""
-    return max(min(HEAD_CHUNK_POSITIONS, 64), min(HEAD_CHUNK_POSITIONS, HEAD_CHUNK_LOGITS // max(vocabulary, 1)))
+    """Probe positions per chunk of the LM head at ``vocabulary`` words."""
+    return min(HEAD_CHUNK_POSITIONS, max(64, HEAD_CHUNK_LOGITS // max(vocabulary, 1)))
 
 
 def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:

@@ -285,14 +285,8 @@ def warm_code_paths(spec: dict) -> None:
     baseline.
     Only where the baseline can lower the peak to the current level (:func:`reset_peak_rss`):
     elsewhere the warm-up's own peak would be taken off the run's."""
-    model = build_model(spec, "cpu", warm_config(model_config(spec)))
-    model, optimizer = make_optimizer(
-        model,
-        spec["method"],
-        min(spec["rank"], WARM_RANK),
-        spec.get("kl_budget"),
-        getattr(torch, spec["probe_dtype"]) if spec.get("probe_dtype") else None,
-        spec.get("probe_positions"),
+    model, optimizer = spec_optimizer(
+        build_model(spec, "cpu", warm_config(model_config(spec))), spec, min(spec["rank"], WARM_RANK)
     )
     input_ids = torch.randint(
         0, model.config.vocab_size, (spec["batch"], 16), generator=torch.Generator().manual_seed(1)
@@ -363,6 +357,12 @@ def make_optimizer(
     return model, torch.optim.AdamW(model.parameters(), **DENSE_ADAMW)
 
 
+def spec_optimizer(model, spec: dict, rank: int):
+    """:func:`make_optimizer` with the spec's method and KL options, at ``rank``."""
+    probe_dtype = getattr(torch, spec["probe_dtype"]) if spec.get("probe_dtype") else None
+    return make_optimizer(model, spec["method"], rank, spec.get("kl_budget"), probe_dtype, spec.get("probe_positions"))
+
+
 def run_worker(spec: dict) -> dict:
     """Measure one configuration in this (fresh) process: raw step times and the memory peak."""
     from transformers import AutoModelForCausalLM  # noqa: F401  (resolves transformers' lazy import)
@@ -379,11 +379,7 @@ def run_worker(spec: dict) -> dict:
         warm_code_paths(spec)
     baseline = memory_baseline(device, reset_peak=True)
     files_before = resident_file_bytes() if device == "cpu" else None
-    model = build_model(spec, device)
-    probe_dtype = getattr(torch, spec["probe_dtype"]) if spec.get("probe_dtype") else None
-    model, optimizer = make_optimizer(
-        model, spec["method"], spec["rank"], spec.get("kl_budget"), probe_dtype, spec.get("probe_positions")
-    )
+    model, optimizer = spec_optimizer(build_model(spec, device), spec, spec["rank"])
     generator = torch.Generator().manual_seed(1)
     input_ids = torch.randint(0, model.config.vocab_size, (spec["batch"], spec["seq"]), generator=generator).to(device)
     steps, optimizer_parts = [], []
