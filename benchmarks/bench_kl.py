@@ -5,11 +5,15 @@ far from uniform, as a trained LLM's are); then LoGRA takes several steps at eac
 every step the exact full-vocabulary KL between the policy before and after the step is measured
 on the probe contexts, independently of the optimizer's bookkeeping.
 
-Cost: on a Qwen2 of realistic width, the median time of the JVP probe (with the weights' precision
-and with bf16 products) and of the finite-difference probe over the probe contexts, divided by the
-median time of one plain (eval, no-grad) forward of the same contexts and by that of a forward and
-backward of them with every weight frozen (the floor of any method that keeps activations). Each
-model size runs in a fresh process (``runner.run_fresh``), after warm-up.
+The JVP probe with a sampled vocabulary (``probe_words``) also gets its prediction compared with the
+exact one's for one direction, over many draws, on the fitted model and on the cost models.
+
+Cost: on a Qwen2 of realistic width, the median time of the JVP probe (with the weights' precision,
+with bf16 products, on a subset of positions and with a sampled vocabulary) and of the finite-
+difference probe over the probe contexts, divided by the median time of one plain (eval, no-grad)
+forward of the same contexts and by that of a forward and backward of them with every weight frozen
+(the floor of any method that keeps activations). Each model size runs in a fresh process
+(``runner.run_fresh``), after warm-up.
 
     python benchmarks/bench_kl.py --json benchmarks/results/kl.json
 """
@@ -82,10 +86,20 @@ def accuracy(args) -> list[dict]:
     contexts = contexts_from_batch(ids, labels=ids, samples=2)
 
     rows = []
-    subsets = [("jvp", False, None, int(n)) for n in filter(None, args.acc_positions.split(","))]
-    for probe, check, dtype, positions in [(*variant, None) for variant in VARIANTS] + subsets:
+    model = patch_model(copy.deepcopy(base))
+    opt = LoGRAOptimizer(model, rank=args.rank, direction="rowadam", kl_budget=1e-4)
+    model(**batch).loss.backward()
+    factors = [target.state.sketch * 1e-3 for target in opt.targets]
+    states = [target.state for target in opt.targets]
+    noise = [word_noise(model, states, factors, contexts, int(n), 200) for n in args.acc_words.split(",") if n]
+    for row in noise:
+        print(f"accuracy: {row['words']} words, sampled / exact prediction {row}", file=sys.stderr)
+    subsets = [("jvp", False, None, int(n), None) for n in filter(None, args.acc_positions.split(","))]
+    words = [("jvp", False, None, None, int(n)) for n in filter(None, args.acc_words.split(","))]
+    for probe, check, dtype, positions, probe_words in [(*v, None, None) for v in VARIANTS] + subsets + words:
         name = probe + (" + realised-KL check" if check else "") + (" (bf16 products)" if dtype else "")
         name += f" ({positions} of {contexts.tokens} positions)" if positions else ""
+        name += f" ({probe_words} of {args.acc_vocab} words)" if probe_words else ""
         for budget in BUDGETS:
             model = patch_model(copy.deepcopy(base))
             opt = LoGRAOptimizer(
@@ -100,6 +114,7 @@ def accuracy(args) -> list[dict]:
                 realised_kl_tolerance=0.05,
                 probe_dtype=dtype,
                 probe_positions=positions,
+                probe_words=probe_words,
             )
             ratios = []
             for _ in range(args.acc_steps):
@@ -125,7 +140,24 @@ def accuracy(args) -> list[dict]:
                 f"[{rows[-1]['min']:.4f}, {rows[-1]['max']:.4f}]",
                 file=sys.stderr,
             )
-    return rows
+    return rows, noise
+
+
+def word_noise(model, targets, factors, contexts, words: int, draws: int) -> dict:
+    """The sampled-vocabulary prediction against the exact one for one direction: ``Σ q_s`` with
+    ``words`` words per position over ``draws`` seeds, as ratios to every word's ``Σ q_s``."""
+    exact = float(jvp_predicted_kl(model, targets, factors, contexts, keep_base=False)[0])
+    ratios = sorted(
+        float(jvp_predicted_kl(model, targets, factors, contexts, keep_base=False, words=words, seed=seed)[0]) / exact
+        for seed in range(draws)
+    )
+    return {
+        "words": words,
+        "draws": draws,
+        "mean": statistics.fmean(ratios),
+        "p05": ratios[int(0.05 * (draws - 1))],
+        "p95": ratios[int(0.95 * (draws - 1))],
+    }
 
 
 def _median_seconds(fn, runs: int, warmup: int) -> float:
@@ -164,6 +196,12 @@ def cost_worker(spec: dict) -> dict:
     jvp_subset_s = _median_seconds(
         lambda: jvp_predicted_kl(model, targets, factors, subset, keep_base=False), runs, warmup
     )
+    jvp_words_s = _median_seconds(
+        lambda: jvp_predicted_kl(model, targets, factors, contexts, keep_base=False, words=spec["words"]),
+        runs,
+        warmup,
+    )
+    noise = word_noise(model, targets, factors, contexts, spec["words"], 20)
     jvp_bf16_s = _median_seconds(
         lambda: jvp_predicted_kl(model, targets, factors, contexts, keep_base=False, compute_dtype=torch.bfloat16),
         runs,
@@ -191,6 +229,10 @@ def cost_worker(spec: dict) -> dict:
         "subset_positions": subset.tokens,
         "jvp_subset_s": jvp_subset_s,
         "jvp_subset_over_floor": jvp_subset_s / floor_s,
+        "words": spec["words"],
+        "jvp_words_s": jvp_words_s,
+        "jvp_words_over_floor": jvp_words_s / floor_s,
+        "word_noise": noise,
         "fd_s": fd_s,
         "frozen_forward_backward_s": floor_s,
         "jvp_over_forward": jvp_s / plain_s,
@@ -215,6 +257,12 @@ def main() -> None:
         help="comma-separated probe_positions of the accuracy's subset rows (of 126)",
     )
     parser.add_argument("--cost-positions", type=int, default=128, help="probe_positions of the cost's subset column")
+    parser.add_argument(
+        "--acc-words", default="32", help="comma-separated probe_words of the accuracy's sampled-vocabulary rows"
+    )
+    parser.add_argument(
+        "--cost-words", type=int, default=32, help="probe_words of the cost's sampled-vocabulary column"
+    )
     parser.add_argument("--cost-rank", type=int, default=64)
     parser.add_argument("--sizes", type=str, default="512x4,1024x4", help="hidden×layers of the cost runs")
     parser.add_argument("--vocab", type=int, default=32000)
@@ -225,7 +273,8 @@ def main() -> None:
     parser.add_argument("--json", type=str)
     args = parser.parse_args()
 
-    results = {"accuracy": accuracy(args), "cost": []}
+    rows, noise = accuracy(args)
+    results = {"accuracy": rows, "word_noise": noise, "cost": []}
     for size in filter(None, args.sizes.split(",")):
         hidden, layers = (int(v) for v in size.split("x"))
         spec = dict(
@@ -235,6 +284,7 @@ def main() -> None:
             seq=args.seq,
             samples=args.samples,
             positions=args.cost_positions,
+            words=args.cost_words,
             rank=args.cost_rank,
             runs=args.runs,
             warmup=args.warmup,
@@ -246,6 +296,7 @@ def main() -> None:
             f"JVP {row['jvp_over_forward']:.2f}× a forward ({row['jvp_over_floor']:.2f}× the frozen forward+backward), "
             f"bf16 JVP {row['jvp_bf16_over_forward']:.2f}× ({row['jvp_bf16_over_floor']:.2f}×), "
             f"JVP on {row['subset_positions']} positions {row['jvp_subset_over_floor']:.2f}× the floor, "
+            f"JVP with {row['words']} words {row['jvp_words_over_floor']:.2f}× the floor, "
             f"FD {row['fd_over_forward']:.2f}×",
             file=sys.stderr,
         )
@@ -253,18 +304,27 @@ def main() -> None:
     print("\n| probe | budget | realised / budget (median [min, max] over steps) |\n|---|---|---|")
     for row in results["accuracy"]:
         print(f"| {row['probe']} | {row['budget']:.0e} | {row['median']:.3f} [{row['min']:.3f}, {row['max']:.3f}] |")
+    print("\n| model | words per position | sampled / exact Σ q: mean [5th, 95th percentile] (draws) |\n|---|---|---|")
+    noise_rows = [(f"accuracy model, {args.acc_vocab} words", row) for row in results["word_noise"]]
+    noise_rows += [
+        (f"{row['hidden']} × {row['layers']}, {row['vocab']} words", row["word_noise"]) for row in results["cost"]
+    ]
+    for label, row in noise_rows:
+        print(f"| {label} | {row['words']} | {row['mean']:.4f} [{row['p05']:.4f}, {row['p95']:.4f}] ({row['draws']}) |")
     print(
         "\n| model (hidden × layers, vocab) | probe tokens | plain forward s | frozen fwd+bwd s | JVP probe "
-        "| JVP probe, bf16 products | JVP probe, a subset of positions | FD probe |"
+        "| JVP probe, bf16 products | JVP probe, a subset of positions | JVP probe, sampled words | FD probe |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in results["cost"]:
         print(
             f"| {row['hidden']} × {row['layers']}, {row['vocab']} | {row['tokens']} | {row['plain_forward_s']:.3f} "
             f"| {row['frozen_forward_backward_s']:.3f} | {row['jvp_over_forward']:.2f}× ({row['jvp_over_floor']:.2f}×) "
             f"| {row['jvp_bf16_over_forward']:.2f}× ({row['jvp_bf16_over_floor']:.2f}×) "
             f"| {row['subset_positions']}: {row['jvp_subset_s'] / row['plain_forward_s']:.2f}× "
-            f"({row['jvp_subset_over_floor']:.2f}×) | {row['fd_over_forward']:.2f}× |"
+            f"({row['jvp_subset_over_floor']:.2f}×) "
+            f"| {row['words']}: {row['jvp_words_s'] / row['plain_forward_s']:.2f}× "
+            f"({row['jvp_words_over_floor']:.2f}×) | {row['fd_over_forward']:.2f}× |"
         )
     if args.json:
         with open(args.json, "w") as f:

@@ -192,6 +192,8 @@ class KLController:
                 self.logits_fn,
                 keep_base=options.realised_kl_check,
                 compute_dtype=options.probe_dtype,
+                words=options.probe_words,
+                seed=update,
             )
         else:
             total, tokens, base = finite_difference_predicted_kl(

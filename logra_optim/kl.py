@@ -45,6 +45,78 @@ def fisher_kl_terms(logits: torch.Tensor, tangent: torch.Tensor, temperature: fl
     return _per_position(terms, logits, tangent, temperature)
 
 
+@dataclass(frozen=True)
+class WordSample:
+    """The words at which :func:`sampled_fisher_kl_terms` reads each position's tangent: per position
+    (row), its ``top`` most likely words, then ``samples`` words drawn from the rest in proportion to
+    their probability (``indices``, ``n × (top + samples)``); the top words' probabilities
+    (``top_probabilities``, ``n × top``) and the rest's total (``tail_mass``, ``n``), in float64."""
+
+    indices: torch.Tensor
+    top_probabilities: torch.Tensor
+    tail_mass: torch.Tensor
+
+
+def sample_words(logits: torch.Tensor, top: int, uniforms: torch.Tensor, temperature: float = 1.0) -> WordSample:
+    """Per position of ``logits`` (``n × V``) its ``top`` most likely words, and one word per column of
+    ``uniforms`` (``n × samples``, in [0, 1)) drawn from the others by inverse transform, ``p_v`` over
+    their total. ``top ≥ V`` takes every word (and ignores ``uniforms``).
+
+    In float64, a chunk of positions at a time (as the exact terms). Why sample at all: the exact term
+    needs the tangent logits ``ż`` at every word, a second product with the output embedding and
+    float64 arithmetic over ``n × V`` values; an estimate from a few words per position needs ``ż`` at
+    those words only (a dot product each), which at a 150k-word vocabulary is most of the probe."""
+    _check_temperature(temperature)
+    rows, vocabulary = logits.shape
+    top = min(top, vocabulary)
+    samples = uniforms.shape[1] if top < vocabulary else 0
+    indices = logits.new_empty((rows, top + samples), dtype=torch.long)
+    top_probabilities = logits.new_empty((rows, top), dtype=torch.float64)
+    tail_mass = logits.new_zeros(rows, dtype=torch.float64)
+    step = positions_per_chunk(vocabulary, logits.device)
+    for start in range(0, rows, step):
+        chunk = slice(start, start + step)
+        p = torch.softmax(_scaled_double(logits[chunk], temperature), dim=-1)
+        top_probabilities[chunk], indices[chunk, :top] = p.topk(top, dim=-1)
+        if samples:
+            # The others' cumulative mass; "right" finds the first word whose mass lies above u·total,
+            # never a top word (its mass is zeroed, so the cumulative sum stays flat there).
+            cumulative = p.scatter_(-1, indices[chunk, :top], 0.0).cumsum_(dim=-1)
+            tail_mass[chunk] = cumulative[:, -1]
+            draws = uniforms[chunk].to(cumulative) * cumulative[:, -1:]
+            indices[chunk, top:] = torch.searchsorted(cumulative, draws, right=True).clamp_max_(vocabulary - 1)
+    return WordSample(indices, top_probabilities, tail_mass)
+
+
+def sampled_fisher_kl_terms(sample: WordSample, tangent: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """An unbiased estimate of :func:`fisher_kl_terms` per position, from ``tangent`` = ``ż`` at
+    ``sample.indices`` only (``n × (top + samples)``).
+
+    ``Var_p(ż)`` splits into the top words, summed exactly, and the rest, whose first and second
+    moments the samples estimate without bias (each drawn from ``p`` restricted to the rest, weighted
+    by its mass ``P``). The square of the estimated mean is biased upwards by its variance,
+    ``P² Var_rest(ż)/m`` for ``m`` samples; adding the samples' unbiased estimate of that term makes
+    the whole unbiased. Exactly the exact terms (up to rounding) where the top words are all of the
+    vocabulary. Moments are taken about each position's most likely word's ``ż`` (the variance does
+    not depend on the shift), which keeps the difference of moments free of cancellation."""
+    _check_temperature(temperature)
+    top = sample.top_probabilities.shape[1]
+    values = tangent.to(torch.float64) / temperature
+    values = values - values[:, :1]
+    head, rest = values[:, :top], values[:, top:]
+    mean = torch.einsum("sv,sv->s", sample.top_probabilities, head)
+    second = torch.einsum("sv,sv->s", sample.top_probabilities, head.square())
+    correction = torch.zeros_like(mean)
+    if rest.shape[1]:
+        if rest.shape[1] < 2:
+            raise ValueError(f"sampled_fisher_kl_terms needs at least 2 sampled words, got {rest.shape[1]}")
+        mass = sample.tail_mass
+        mean += mass * rest.mean(dim=1)
+        second += mass * rest.square().mean(dim=1)
+        correction = mass.square() * rest.var(dim=1) / rest.shape[1]
+    return 0.5 * (second - mean.square()).clamp_min_(0.0) + 0.5 * correction
+
+
 def exact_kl_terms(logits: torch.Tensor, perturbed_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Per-position full-vocabulary ``KL(softmax(z/T) ‖ softmax(z'/T))`` in float64."""
 

@@ -145,6 +145,14 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             positions, which the subset estimates without bias (each rank's for all its positions),
             but ``α ∝ q̂^-½`` then overshoots the budget on average, more for smaller subsets
             (docs/benchmarks.md measures it); ``realised_kl_check`` measures on the same subset.
+        probe_words: estimate each probed position's KL term from this many words of the
+            vocabulary (at least 4): its most likely half exactly, the other half drawn from the rest
+            in proportion to their probability (reproducibly: seeded by the update index), an
+            unbiased estimate. The JVP probe's LM head then multiplies the primal only, and reads
+            the tangent at these words by a dot product each, instead of a second product with the
+            whole head and float64 arithmetic over every word. Default ``None``: every word (as
+            with a vocabulary of at most ``probe_words`` words, or a head the probe cannot apply in
+            chunks, or a realised-KL check).
         probe_dtype: ``None`` (the probe computes in the weights' precision) or ``torch.bfloat16``:
             the matrix products of the JVP probe's linear layers are bf16 (through one reusable
             bf16 copy of the weight being multiplied; the LM head cast once per probe), everything else keeps
@@ -207,6 +215,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         probe: str = "jvp",
         probe_samples: int = 2,
         probe_positions: int | None = None,
+        probe_words: int | None = None,
         probe_dtype: torch.dtype | None = None,
         temperature: float = 1.0,
         probe_logits_fn: LogitsFn | None = None,
@@ -244,6 +253,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             probe=probe,
             probe_samples=probe_samples,
             probe_positions=probe_positions,
+            probe_words=probe_words,
             probe_dtype=probe_dtype,
             temperature=temperature,
             probe_logits_fn=probe_logits_fn,

@@ -127,6 +127,7 @@ class KLOptions:
     probe: str = "jvp"
     probe_samples: int = 2
     probe_positions: int | None = None
+    probe_words: int | None = None
     probe_dtype: torch.dtype | None = None
     temperature: float = 1.0
     probe_logits_fn: LogitsFn | None = None
@@ -146,6 +147,9 @@ class KLOptions:
         _non_negative_int("probe_samples", self.probe_samples, minimum=1)
         if self.probe_positions is not None:
             _non_negative_int("probe_positions", self.probe_positions, minimum=1)
+        if self.probe_words is not None:
+            # Half of them sampled, and the sampled half's variance needs two.
+            _non_negative_int("probe_words", self.probe_words, minimum=4)
         if self.probe_dtype is not None:
             if self.probe_dtype != torch.bfloat16:
                 raise ValueError(

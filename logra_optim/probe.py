@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .attention import AttentionTangentMode
-from .kl import exact_kl_terms, fisher_kl_terms
+from .kl import exact_kl_terms, fisher_kl_terms, sample_words, sampled_fisher_kl_terms
 from .sketch import SharedProjection
 from .tangents import ElementwiseTangentMode
 
@@ -483,24 +483,56 @@ def _chunkable_head(model: nn.Module, contexts: ProbeContexts) -> tuple[nn.Modul
 
 
 def _chunked_head_kl_terms(
-    decoder, head: nn.Linear, contexts: ProbeContexts, products: LowPrecisionProducts | None = None
+    decoder,
+    head: nn.Linear,
+    contexts: ProbeContexts,
+    products: LowPrecisionProducts | None = None,
+    words: int | None = None,
+    seed: int = 0,
 ) -> torch.Tensor:
     """Per-position ``q_s`` with the LM head applied :func:`head_chunk_positions` positions at a time
     (with ``products``, in 16 bits: the head cast once, for all chunks; the only vocabulary-sized
-    16-bit copy the probe makes, and only for the probe's duration)."""
+    16-bit copy the probe makes, and only for the probe's duration).
+
+    ``words``: estimate each ``q_s`` from that many words (:func:`word_tangents`) instead of the
+    whole vocabulary; the head's product then runs on the primal alone."""
     output = decoder(input_ids=contexts.input_ids, attention_mask=contexts.attention_mask, use_cache=False)
     hidden = output if isinstance(output, torch.Tensor) else output[0]
     primal, tangent = fwAD.unpack_dual(hidden)
     if tangent is None:
         raise RuntimeError("KL probe: the hidden states carry no tangent; no patched target was on the path to them")
     primal, tangent = primal[contexts.probe_mask], tangent[contexts.probe_mask]
+    if words is not None and head.weight.shape[0] <= words:
+        words = None  # the exact terms cost no more
+    uniforms = None if words is None else word_uniforms(primal.shape[0], words, seed).to(primal.device)
     terms = [torch.zeros(0, dtype=torch.float64, device=primal.device)]
-    step = head_chunk_positions(head.weight.shape[0])
+    # Without the tangent half, twice the positions make a product of the same rows and logits.
+    step = head_chunk_positions(head.weight.shape[0]) * (1 if uniforms is None else 2)
     for start in range(0, primal.shape[0], step):
         rows = slice(start, start + step)
-        logits, tangent_logits = _primal_and_tangent(primal[rows], tangent[rows], head.weight, head.bias, products)
-        terms.append(fisher_kl_terms(logits, tangent_logits, contexts.temperature))
+        if uniforms is None:
+            logits, tangent_logits = _primal_and_tangent(primal[rows], tangent[rows], head.weight, head.bias, products)
+            terms.append(fisher_kl_terms(logits, tangent_logits, contexts.temperature))
+            continue
+        logits, _ = _primal_and_tangent(primal[rows], None, head.weight, head.bias, products)
+        sample = sample_words(logits, words - uniforms.shape[1], uniforms[rows], contexts.temperature)
+        del logits
+        word_tangent = word_tangents(tangent[rows], head.weight, sample.indices)
+        terms.append(sampled_fisher_kl_terms(sample, word_tangent, contexts.temperature))
     return torch.cat(terms)
+
+
+def word_uniforms(positions: int, words: int, seed: int) -> torch.Tensor:
+    """The uniforms that draw the sampled half (``words // 2``) of each position's words, from a CPU
+    generator seeded with ``seed`` (the update index), so the draw is the same on every device."""
+    return torch.rand(positions, words // 2, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def word_tangents(tangent: torch.Tensor, weight: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``ż`` of each position at its words: ``ḣ · W_v`` for ``v`` in its row of ``indices`` (the
+    head's bias has no tangent), one dot product per word instead of a product with all of ``W``."""
+    gathered = weight.index_select(0, indices.reshape(-1)).view(*indices.shape, weight.shape[1])
+    return torch.bmm(gathered, tangent.to(weight.dtype).unsqueeze(-1)).squeeze(-1)
 
 
 def jvp_predicted_kl(
@@ -511,6 +543,8 @@ def jvp_predicted_kl(
     logits_fn: LogitsFn = default_logits_fn,
     keep_base: bool = True,
     compute_dtype: torch.dtype | None = None,
+    words: int | None = None,
+    seed: int = 0,
 ):
     """``(Σ_s q_s, |P|, base logits at P)`` for the update ``D_W = −F A``, from one dual forward.
 
@@ -525,7 +559,11 @@ def jvp_predicted_kl(
     ``compute_dtype`` (bf16): the linear layers' primal and tangent products are 16-bit
     (:class:`LowPrecisionProducts`; the output embedding's excepted), everything else keeps the
     weights' precision, the low-rank term ``−(x Aᵀ) Fᵀ`` is fp32 and the KL terms float64.
-    ``None``: the weights' own precision throughout. Either way outside any autocast region."""
+    ``None``: the weights' own precision throughout. Either way outside any autocast region.
+
+    ``words`` (on the chunked path only): estimate each position's term from that many words, the
+    more likely half exactly and the other half drawn with ``seed`` (:func:`.kl.sample_words`);
+    ``None`` or a vocabulary of at most ``words`` words: every word."""
     weights, split, tokens = None, None, contexts.tokens
     # Not with base logits (returned per position of the contexts as given) or a custom logits_fn
     # (which may pair each row with inputs of its own).
@@ -542,7 +580,7 @@ def jvp_predicted_kl(
         ElementwiseTangentMode(),
     ):
         if split is not None:
-            terms, base = _chunked_head_kl_terms(*split, contexts, products), None
+            terms, base = _chunked_head_kl_terms(*split, contexts, products, words, seed), None
         else:
             logits = logits_fn(model, contexts)
             primal, tangent = fwAD.unpack_dual(logits)

@@ -470,15 +470,20 @@ def test_bench_with_kl_control_and_a_bf16_probe(tmp_path, capsys):
     assert "--probe-dtype needs --kl-budget" in message
     message = usage_error(capsys, "bench", "--probe-positions", "8", "--output", str(tmp_path / "no"))
     assert "--probe-positions needs --kl-budget" in message
+    message = usage_error(capsys, "bench", "--probe-words", "8", "--output", str(tmp_path / "no"))
+    assert "--probe-words needs --kl-budget" in message
 
 
-def test_bench_with_kl_control_on_a_subset_of_positions(tmp_path):
+def test_bench_with_kl_control_on_a_subset_of_positions_and_words(tmp_path):
     from logra_optim.cli.bench import make_optimizer
 
-    data = run_tiny_bench(tmp_path, "logra-rowadam", "--kl-budget", "1e-3", "--probe-positions", "5")
-    assert data["meta"]["probe_positions"] == 5
-    _, optimizer = make_optimizer(build_tiny_model(bench_preset("tiny")), "logra-rowadam", 4, 1e-3, None, 5)
+    data = run_tiny_bench(
+        tmp_path, "logra-rowadam", "--kl-budget", "1e-3", "--probe-positions", "5", "--probe-words", "8"
+    )
+    assert data["meta"]["probe_positions"] == 5 and data["meta"]["probe_words"] == 8
+    _, optimizer = make_optimizer(build_tiny_model(bench_preset("tiny")), "logra-rowadam", 4, 1e-3, None, 5, 8)
     assert optimizer.kl_control.options.probe_positions == 5
+    assert optimizer.kl_control.options.probe_words == 8
 
 
 @pytest.mark.parametrize("method", ["apollo", "apollo-mini", "flora"])

@@ -24,6 +24,8 @@ from logra_optim.kl import (
     floored_kl,
     mismatch_sample,
     positions_per_chunk,
+    sample_words,
+    sampled_fisher_kl_terms,
     step_scale,
 )
 from tests.helpers import reference
@@ -105,6 +107,85 @@ def test_vocabulary_math_is_the_same_in_any_chunking(seed, positions, vocab, spr
     torch.testing.assert_close(
         exact, reference.kl_divergence(logits, logits + tangent, temperature), rtol=1e-9, atol=1e-15
     )
+
+
+# ------------------------------------------------------------------------------------------------
+# The estimator from a sample of words (probe_words)
+
+
+def _sampled_terms(logits, tangent, top, samples, seed, temperature=1.0):
+    uniforms = torch.rand(logits.shape[0], samples, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    sample = sample_words(logits, top, uniforms, temperature)
+    return sample, sampled_fisher_kl_terms(sample, tangent.gather(1, sample.indices), temperature)
+
+
+@settings(max_examples=40, deadline=None)
+@given(**shapes, extra=st.integers(0, 5), samples=st.integers(2, 6))
+def test_sampled_terms_are_the_exact_ones_when_the_top_words_are_the_whole_vocabulary(
+    seed, positions, vocab, spread, temperature, extra, samples
+):
+    logits, tangent = _random_logits(seed, positions, vocab, spread)
+    sample, terms = _sampled_terms(logits, tangent, vocab + extra, samples, seed, temperature)
+    assert sample.indices.shape == (positions, vocab)  # no word drawn: there is no rest
+    assert float(sample.tail_mass.abs().max()) == 0.0
+    expected = reference.fisher_quadratic_form(logits, tangent, temperature)
+    torch.testing.assert_close(terms, expected, rtol=1e-9, atol=1e-14)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    vocab=st.integers(6, 40),
+    spread=st.floats(0.1, 4.0),
+    temperature=st.floats(0.5, 2.0),
+    top=st.integers(1, 4),
+    samples=st.integers(2, 4),
+)
+def test_sampled_terms_are_unbiased(seed, vocab, spread, temperature, top, samples):
+    # One position, drawn 4000 times (as 4000 rows): the mean of the estimates is the exact term,
+    # within five standard errors.
+    logits, tangent = _random_logits(seed, 1, vocab, spread)
+    draws = 4000
+    _, terms = _sampled_terms(logits.expand(draws, -1), tangent.expand(draws, -1), top, samples, seed, temperature)
+    expected = float(reference.fisher_quadratic_form(logits, tangent, temperature)[0])
+    error = 5 * float(terms.std()) / math.sqrt(draws) + 1e-12 * expected
+    assert abs(float(terms.mean()) - expected) <= error
+    assert bool((terms >= 0).all())
+
+
+@settings(max_examples=30, deadline=None)
+@given(**shapes, top=st.integers(1, 4), samples=st.integers(2, 5))
+def test_sampled_words_come_from_the_rest_in_proportion_to_their_probability(
+    seed, positions, vocab, spread, temperature, top, samples
+):
+    logits, tangent = _random_logits(seed, positions, vocab, spread)
+    sample, _ = _sampled_terms(logits, tangent, top, samples, seed, temperature)
+    p = torch.softmax(logits / temperature, dim=-1)
+    kept = min(top, vocab)
+    # The top words are the most likely ones, their probabilities and the rest's mass exact.
+    torch.testing.assert_close(sample.top_probabilities, p.topk(kept).values)
+    torch.testing.assert_close(sample.tail_mass, 1 - sample.top_probabilities.sum(dim=1), rtol=0, atol=1e-12)
+    if kept < vocab:
+        drawn = sample.indices[:, kept:]
+        assert not bool((drawn.unsqueeze(-1) == sample.indices[:, :kept].unsqueeze(1)).any())
+        assert bool((p.gather(1, drawn) > 0).all())
+
+
+def test_word_draws_follow_the_probabilities():
+    # Inverse transform on the rest: each word's share of 20000 draws is its probability within the rest.
+    logits = torch.tensor([[3.0, 1.0, 0.5, 0.0, -1.0]], dtype=torch.float64)
+    uniforms = torch.rand(1, 20000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    sample = sample_words(logits, 1, uniforms)
+    counts = torch.bincount(sample.indices[0, 1:], minlength=5).double() / 20000
+    rest = torch.softmax(logits[0], dim=0)[1:]
+    torch.testing.assert_close(counts[1:], rest / rest.sum(), rtol=0, atol=0.015)
+    assert counts[0] == 0
+
+
+def test_sampled_terms_need_two_draws():
+    logits, tangent = _random_logits(0, 2, 10, 1.0)
+    with pytest.raises(ValueError, match="at least 2 sampled words"):
+        _sampled_terms(logits, tangent, 3, 1, 0)
 
 
 def test_the_lm_head_chunk_holds_its_logits_bounded():

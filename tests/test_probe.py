@@ -311,6 +311,43 @@ def test_chunked_lm_head_probe_equals_the_full_logits_probe(fitted_model, monkey
     assert float(q_chunked) == pytest.approx(float(q_full), rel=1e-6)
 
 
+def test_probe_with_sampled_words_estimates_the_exact_prediction(fitted_model, monkeypatch):
+    """``probe_words``: the head multiplies the primal only and each position's term comes from 8 of
+    the 128 words. Over 60 draws the mean is the exact prediction; one draw is reproducible from its
+    seed; a vocabulary within ``words`` takes the exact path."""
+    model, opt, targets, factors, contexts = _sketched_probe_inputs(fitted_model, direction="sgd")
+    exact, tokens, _ = jvp_predicted_kl(model, targets, factors, contexts, keep_base=False)
+    draws = torch.tensor(
+        [
+            float(jvp_predicted_kl(model, targets, factors, contexts, keep_base=False, words=8, seed=s)[0])
+            for s in range(60)
+        ],
+        dtype=torch.float64,
+    )
+    assert float(draws.mean()) == pytest.approx(float(exact), abs=5 * float(draws.std()) / 60**0.5)
+    assert float(draws.std()) > 0  # a sample, not the exact terms
+    again = jvp_predicted_kl(model, targets, factors, contexts, keep_base=False, words=8, seed=7)
+    assert float(again[0]) == float(draws[7]) and again[1] == tokens
+    whole = jvp_predicted_kl(model, targets, factors, contexts, keep_base=False, words=128)
+    assert float(whole[0]) == float(exact)
+    # The optimizer draws with the update index as the seed.
+    seeds = []
+    jvp = control.jvp_predicted_kl
+    monkeypatch.setattr(
+        control, "jvp_predicted_kl", lambda *a, **k: seeds.append((k["words"], k["seed"])) or jvp(*a, **k)
+    )
+    model, opt, *_ = _sketched_probe_inputs(fitted_model, probe_words=8)
+    opt.step()
+    assert seeds == [(8, 1)] and opt.stats["predicted_kl"] > 0
+
+
+@pytest.mark.parametrize("words", [3, 0, 2.5, True])
+def test_probe_words_must_leave_two_draws(words):
+    model = patch_model(tiny_qwen2())
+    with pytest.raises(ValueError, match="probe_words"):
+        LoGRAOptimizer(model, rank=4, kl_budget=1e-3, probe_words=words)
+
+
 def test_probe_runs_once_per_distinct_sequence_and_predicts_the_same_kl(fitted_model):
     """Without a realised-KL check the probe's dual forward reads each distinct sequence once, up to
     its last probe position, and weights its terms: the prediction of contexts with repeated

@@ -171,6 +171,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="with --kl-budget: probe at most this many positions, a random subset (default: all)",
     )
+    parser.add_argument(
+        "--probe-words",
+        type=positive_int,
+        default=None,
+        help="with --kl-budget: estimate each probed position's KL term from this many words (default: all)",
+    )
     parser.add_argument("--checkpointing", action="store_true", help="non-reentrant gradient checkpointing")
     parser.add_argument(
         "--accumulation", type=positive_int, default=1, help="microbatches (forward+backward) per optimizer step"
@@ -318,9 +324,10 @@ def make_optimizer(
     kl_budget: float | None = None,
     probe_dtype: torch.dtype | None = None,
     probe_positions: int | None = None,
+    probe_words: int | None = None,
 ):
     """The optimizer of ``method`` (and the model it trains: LoRA wraps it); ``None`` for the
-    ``frozen`` floor, whose step is forward and backward alone."""
+    ``frozen`` floor, whose step is forward and backward alone. The probe options are LoGRA's."""
     if method == "frozen":
         model.requires_grad_(False)
         model.enable_input_require_grads()
@@ -333,6 +340,7 @@ def make_optimizer(
             kl_budget=kl_budget,
             probe_dtype=probe_dtype,
             probe_positions=probe_positions,
+            probe_words=probe_words,
         )
         return model, optimizer
     # Stacked experts (mixture of experts) are LoGRA's targets too (peers.py); Flora treats them as any
@@ -360,7 +368,15 @@ def make_optimizer(
 def spec_optimizer(model, spec: dict, rank: int):
     """:func:`make_optimizer` with the spec's method and KL options, at ``rank``."""
     probe_dtype = getattr(torch, spec["probe_dtype"]) if spec.get("probe_dtype") else None
-    return make_optimizer(model, spec["method"], rank, spec.get("kl_budget"), probe_dtype, spec.get("probe_positions"))
+    return make_optimizer(
+        model,
+        spec["method"],
+        rank,
+        spec.get("kl_budget"),
+        probe_dtype,
+        spec.get("probe_positions"),
+        spec.get("probe_words"),
+    )
 
 
 def run_worker(spec: dict) -> dict:
@@ -586,7 +602,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
 
     if args.config and not Path(args.config).exists():
         parser.error(f"--config {args.config}: no such file")
-    for option in ("probe_dtype", "probe_positions"):
+    for option in ("probe_dtype", "probe_positions", "probe_words"):
         if getattr(args, option) and args.kl_budget is None:
             parser.error(f"--{option.replace('_', '-')} needs --kl-budget: without KL control no probe runs")
     device = resolve_device(args.device)
@@ -611,6 +627,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
         kl_budget=args.kl_budget,
         probe_dtype=args.probe_dtype,
         probe_positions=args.probe_positions,
+        probe_words=args.probe_words,
         checkpointing=args.checkpointing,
         accumulation=args.accumulation,
         malloc_threshold=args.malloc_threshold,
