@@ -7,7 +7,9 @@ For a proposed update ``D`` and scale ``α``, ``KL(π_θ ‖ π_{θ+αD}) ≈ α
 
 the second-order expansion of the KL around α = 0 (its Hessian is the Fisher information of the
 softmax). The controller picks ``α = min(α_max, sqrt(δ/q))`` so the update moves the policy by the
-budget ``δ``. Everything here is pure math on tensors; running the model lives in :mod:`.probe`.
+budget ``δ``. :func:`sampled_fisher_kl_terms` estimates ``q_s`` without bias from ``ż`` at a few
+words per position (:func:`sample_words`), which spares the probe the tangent logits over the whole
+vocabulary. Everything here is pure math on tensors; running the model lives in :mod:`.probe`.
 """
 
 from __future__ import annotations

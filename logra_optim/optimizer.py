@@ -150,9 +150,10 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             in proportion to their probability (reproducibly: seeded by the update index), an
             unbiased estimate. The JVP probe's LM head then multiplies the primal only, and reads
             the tangent at these words by a dot product each, instead of a second product with the
-            whole head and float64 arithmetic over every word. Default ``None``: every word (as
-            with a vocabulary of at most ``probe_words`` words, or a head the probe cannot apply in
-            chunks, or a realised-KL check).
+            whole head and float64 arithmetic over every word. Default ``"auto"``: 64 words from a
+            vocabulary of 8192 words on, every word below it. ``None``: every word (as with a
+            vocabulary of at most ``probe_words`` words, a head the probe cannot apply in chunks, or
+            a realised-KL check).
         probe_dtype: ``None`` (the probe computes in the weights' precision) or ``torch.bfloat16``:
             the matrix products of the JVP probe's linear layers are bf16 (through one reusable
             bf16 copy of the weight being multiplied; the LM head cast once per probe), everything else keeps
@@ -215,7 +216,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         probe: str = "jvp",
         probe_samples: int = 2,
         probe_positions: int | None = None,
-        probe_words: int | None = None,
+        probe_words: int | str | None = "auto",
         probe_dtype: torch.dtype | None = None,
         temperature: float = 1.0,
         probe_logits_fn: LogitsFn | None = None,

@@ -127,7 +127,7 @@ class KLOptions:
     probe: str = "jvp"
     probe_samples: int = 2
     probe_positions: int | None = None
-    probe_words: int | None = None
+    probe_words: int | str | None = "auto"
     probe_dtype: torch.dtype | None = None
     temperature: float = 1.0
     probe_logits_fn: LogitsFn | None = None
@@ -147,9 +147,12 @@ class KLOptions:
         _non_negative_int("probe_samples", self.probe_samples, minimum=1)
         if self.probe_positions is not None:
             _non_negative_int("probe_positions", self.probe_positions, minimum=1)
-        if self.probe_words is not None:
-            # Half of them sampled, and the sampled half's variance needs two.
-            _non_negative_int("probe_words", self.probe_words, minimum=4)
+        words = self.probe_words
+        if words not in ("auto", None) and (not isinstance(words, int) or isinstance(words, bool) or words < 4):
+            raise ValueError(
+                "probe_words must be 'auto', None (every word) or an integer ≥ 4 (half of the words are drawn, "
+                f"and their variance needs two), got {words!r}"
+            )
         if self.probe_dtype is not None:
             if self.probe_dtype != torch.bfloat16:
                 raise ValueError(

@@ -487,23 +487,23 @@ def _chunked_head_kl_terms(
     head: nn.Linear,
     contexts: ProbeContexts,
     products: LowPrecisionProducts | None = None,
-    words: int | None = None,
+    words: int | str | None = None,
     seed: int = 0,
 ) -> torch.Tensor:
     """Per-position ``q_s`` with the LM head applied :func:`head_chunk_positions` positions at a time
     (with ``products``, in 16 bits: the head cast once, for all chunks; the only vocabulary-sized
     16-bit copy the probe makes, and only for the probe's duration).
 
-    ``words``: estimate each ``q_s`` from that many words (:func:`word_tangents`) instead of the
-    whole vocabulary; the head's product then runs on the primal alone."""
+    ``words``: estimate each ``q_s`` from that many words (:func:`words_to_sample`,
+    :func:`word_tangents`) instead of the whole vocabulary; the head's product then runs on the
+    primal alone."""
     output = decoder(input_ids=contexts.input_ids, attention_mask=contexts.attention_mask, use_cache=False)
     hidden = output if isinstance(output, torch.Tensor) else output[0]
     primal, tangent = fwAD.unpack_dual(hidden)
     if tangent is None:
         raise RuntimeError("KL probe: the hidden states carry no tangent; no patched target was on the path to them")
     primal, tangent = primal[contexts.probe_mask], tangent[contexts.probe_mask]
-    if words is not None and head.weight.shape[0] <= words:
-        words = None  # the exact terms cost no more
+    words = words_to_sample(words, head.weight.shape[0])
     uniforms = None if words is None else word_uniforms(primal.shape[0], words, seed).to(primal.device)
     terms = [torch.zeros(0, dtype=torch.float64, device=primal.device)]
     # Without the tangent half, twice the positions make a product of the same rows and logits.
@@ -513,13 +513,29 @@ def _chunked_head_kl_terms(
         if uniforms is None:
             logits, tangent_logits = _primal_and_tangent(primal[rows], tangent[rows], head.weight, head.bias, products)
             terms.append(fisher_kl_terms(logits, tangent_logits, contexts.temperature))
-            continue
-        logits, _ = _primal_and_tangent(primal[rows], None, head.weight, head.bias, products)
-        sample = sample_words(logits, words - uniforms.shape[1], uniforms[rows], contexts.temperature)
-        del logits
-        word_tangent = word_tangents(tangent[rows], head.weight, sample.indices)
-        terms.append(sampled_fisher_kl_terms(sample, word_tangent, contexts.temperature))
+        else:
+            logits, _ = _primal_and_tangent(primal[rows], None, head.weight, head.bias, products)
+            sample = sample_words(logits, words - uniforms.shape[1], uniforms[rows], contexts.temperature)
+            del logits
+            word_tangent = word_tangents(tangent[rows], head.weight, sample.indices)
+            terms.append(sampled_fisher_kl_terms(sample, word_tangent, contexts.temperature))
     return torch.cat(terms)
+
+
+# probe_words="auto": a sample of AUTO_WORDS words per position from AUTO_WORDS_MIN_VOCABULARY words on.
+# Below that the head's tangent product and the float64 terms over every word are a small part of
+# the probe (the break-even of one tangent product against 64 gathered rows per position is near
+# 2k words on a 2-core CPU), and the exact terms cost little more.
+AUTO_WORDS = 64
+AUTO_WORDS_MIN_VOCABULARY = 8192
+
+
+def words_to_sample(words: int | str | None, vocabulary: int) -> int | None:
+    """The words per position the probe reads for ``probe_words=words`` at ``vocabulary`` words;
+    ``None``: every word (``words`` is ``None``, or the vocabulary holds no more than ``words``)."""
+    if words == "auto":
+        words = AUTO_WORDS if vocabulary >= AUTO_WORDS_MIN_VOCABULARY else None
+    return None if words is None or vocabulary <= words else int(words)
 
 
 def word_uniforms(positions: int, words: int, seed: int) -> torch.Tensor:
@@ -531,8 +547,15 @@ def word_uniforms(positions: int, words: int, seed: int) -> torch.Tensor:
 def word_tangents(tangent: torch.Tensor, weight: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """``ż`` of each position at its words: ``ḣ · W_v`` for ``v`` in its row of ``indices`` (the
     head's bias has no tangent), one dot product per word instead of a product with all of ``W``."""
-    gathered = weight.index_select(0, indices.reshape(-1)).view(*indices.shape, weight.shape[1])
-    return torch.bmm(gathered, tangent.to(weight.dtype).unsqueeze(-1)).squeeze(-1)
+    rows, words = indices.shape
+    out = tangent.new_empty((rows, words), dtype=weight.dtype)
+    # Positions at a time whose gathered rows hold no more than a chunk's logits (HEAD_CHUNK_LOGITS).
+    step = max(1, HEAD_CHUNK_LOGITS // (words * weight.shape[1]))
+    for start in range(0, rows, step):
+        chunk = indices[start : start + step]
+        gathered = weight.index_select(0, chunk.reshape(-1)).view(*chunk.shape, weight.shape[1])
+        out[start : start + step] = torch.bmm(gathered, tangent[start : start + step, :, None].to(weight.dtype))[..., 0]
+    return out
 
 
 def jvp_predicted_kl(
@@ -543,7 +566,7 @@ def jvp_predicted_kl(
     logits_fn: LogitsFn = default_logits_fn,
     keep_base: bool = True,
     compute_dtype: torch.dtype | None = None,
-    words: int | None = None,
+    words: int | str | None = None,
     seed: int = 0,
 ):
     """``(Σ_s q_s, |P|, base logits at P)`` for the update ``D_W = −F A``, from one dual forward.
@@ -562,8 +585,9 @@ def jvp_predicted_kl(
     ``None``: the weights' own precision throughout. Either way outside any autocast region.
 
     ``words`` (on the chunked path only): estimate each position's term from that many words, the
-    more likely half exactly and the other half drawn with ``seed`` (:func:`.kl.sample_words`);
-    ``None`` or a vocabulary of at most ``words`` words: every word."""
+    more likely half exactly and the other half drawn with ``seed`` (:func:`.kl.sample_words`), or
+    ``"auto"`` (:func:`words_to_sample`); ``None`` or a vocabulary of at most ``words`` words: every
+    word."""
     weights, split, tokens = None, None, contexts.tokens
     # Not with base logits (returned per position of the contexts as given) or a custom logits_fn
     # (which may pair each row with inputs of its own).

@@ -17,7 +17,7 @@ import torch
 
 from logra_optim import patch_model
 from logra_optim.patching import patched_modules
-from logra_optim.cli import main, tasks
+from logra_optim.cli import build_parser, main, tasks
 from logra_optim.cli import plan as plan_module
 from logra_optim.cli.runner import WorkerFailed, run_fresh
 from logra_optim.cli.shapes import PRESETS, Shape
@@ -472,6 +472,10 @@ def test_bench_with_kl_control_and_a_bf16_probe(tmp_path, capsys):
     assert "--probe-positions needs --kl-budget" in message
     message = usage_error(capsys, "bench", "--probe-words", "8", "--output", str(tmp_path / "no"))
     assert "--probe-words needs --kl-budget" in message
+    message = usage_error(
+        capsys, "bench", "--kl-budget", "1e-3", "--probe-words", "3", "--output", str(tmp_path / "no")
+    )
+    assert "expected auto, all or an integer of at least 4, got '3'" in message
 
 
 def test_bench_with_kl_control_on_a_subset_of_positions_and_words(tmp_path):
@@ -484,6 +488,9 @@ def test_bench_with_kl_control_on_a_subset_of_positions_and_words(tmp_path):
     _, optimizer = make_optimizer(build_tiny_model(bench_preset("tiny")), "logra-rowadam", 4, 1e-3, None, 5, 8)
     assert optimizer.kl_control.options.probe_positions == 5
     assert optimizer.kl_control.options.probe_words == 8
+    _, optimizer = make_optimizer(build_tiny_model(bench_preset("tiny")), "logra-rowadam", 4, 1e-3)
+    assert optimizer.kl_control.options.probe_words == "auto"  # the optimizer's default
+    assert build_parser().parse_args(["bench", "--probe-words", "all"]).probe_words is None  # every word
 
 
 @pytest.mark.parametrize("method", ["apollo", "apollo-mini", "flora"])

@@ -341,11 +341,21 @@ def test_probe_with_sampled_words_estimates_the_exact_prediction(fitted_model, m
     assert seeds == [(8, 1)] and opt.stats["predicted_kl"] > 0
 
 
-@pytest.mark.parametrize("words", [3, 0, 2.5, True])
+@pytest.mark.parametrize("words", [3, 0, 2.5, True, "all", "64"])
 def test_probe_words_must_leave_two_draws(words):
     model = patch_model(tiny_qwen2())
-    with pytest.raises(ValueError, match="probe_words"):
+    with pytest.raises(ValueError, match="probe_words must be 'auto', None"):
         LoGRAOptimizer(model, rank=4, kl_budget=1e-3, probe_words=words)
+
+
+def test_probe_words_auto_samples_large_vocabularies_only():
+    assert probe.words_to_sample("auto", 151_936) == probe.AUTO_WORDS == 64
+    assert probe.words_to_sample("auto", probe.AUTO_WORDS_MIN_VOCABULARY) == 64
+    assert probe.words_to_sample("auto", probe.AUTO_WORDS_MIN_VOCABULARY - 1) is None  # every word
+    assert probe.words_to_sample(None, 151_936) is None
+    assert probe.words_to_sample(16, 32_000) == 16
+    assert probe.words_to_sample(128, 128) is None  # the sample would be every word: take them exactly
+    assert LoGRAOptimizer(patch_model(tiny_qwen2()), rank=4, kl_budget=1e-3).kl_control.options.probe_words == "auto"
 
 
 def test_probe_runs_once_per_distinct_sequence_and_predicts_the_same_kl(fitted_model):

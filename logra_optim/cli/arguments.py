@@ -9,6 +9,19 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
+def probe_words(text: str) -> int | str | None:
+    """``--probe-words``: ``auto``, ``all`` (every word: ``None``) or an integer of at least 4."""
+    if text in ("auto", "all"):
+        return None if text == "all" else text
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < 4:
+        raise argparse.ArgumentTypeError(f"expected auto, all or an integer of at least 4, got {text!r}")
+    return value
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)

@@ -78,7 +78,16 @@ import torch
 
 from logra_optim import LoGRAOptimizer, patch_model
 
-from .arguments import choice_list, device, int_list, model_dir, positive_float, positive_int, writable_dir
+from .arguments import (
+    choice_list,
+    device,
+    int_list,
+    model_dir,
+    positive_float,
+    positive_int,
+    probe_words,
+    writable_dir,
+)
 from .measure import (
     GIB,
     memory_baseline,
@@ -173,9 +182,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--probe-words",
-        type=positive_int,
-        default=None,
-        help="with --kl-budget: estimate each probed position's KL term from this many words (default: all)",
+        type=probe_words,
+        default="auto",
+        help="with --kl-budget: estimate each probed position's KL term from this many words, or all of them "
+        "(default: auto, the optimizer's: 64 from 8192 words on)",
     )
     parser.add_argument("--checkpointing", action="store_true", help="non-reentrant gradient checkpointing")
     parser.add_argument(
@@ -324,7 +334,7 @@ def make_optimizer(
     kl_budget: float | None = None,
     probe_dtype: torch.dtype | None = None,
     probe_positions: int | None = None,
-    probe_words: int | None = None,
+    probe_words: int | str | None = "auto",
 ):
     """The optimizer of ``method`` (and the model it trains: LoRA wraps it); ``None`` for the
     ``frozen`` floor, whose step is forward and backward alone. The probe options are LoGRA's."""
@@ -375,7 +385,7 @@ def spec_optimizer(model, spec: dict, rank: int):
         spec.get("kl_budget"),
         probe_dtype,
         spec.get("probe_positions"),
-        spec.get("probe_words"),
+        spec.get("probe_words", "auto"),
     )
 
 
@@ -602,8 +612,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
 
     if args.config and not Path(args.config).exists():
         parser.error(f"--config {args.config}: no such file")
-    for option in ("probe_dtype", "probe_positions", "probe_words"):
-        if getattr(args, option) and args.kl_budget is None:
+    for option, default in (("probe_dtype", None), ("probe_positions", None), ("probe_words", "auto")):
+        if getattr(args, option) != default and args.kl_budget is None:
             parser.error(f"--{option.replace('_', '-')} needs --kl-budget: without KL control no probe runs")
     device = resolve_device(args.device)
     if args.malloc_threshold != "dynamic" and device != "cpu":
