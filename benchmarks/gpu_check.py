@@ -184,13 +184,14 @@ def check_probe(device: str, quick: bool) -> dict:
     gap = abs(float(jvp) - float(fd)) / max(abs(float(fd)), 1e-30)
     bf16_gap = abs(float(bf16) - float(jvp)) / max(abs(float(jvp)), 1e-30)
     words_gap = abs(sum(sampled) / len(sampled) - float(jvp)) / max(abs(float(jvp)), 1e-30)
-    passed = untouched and gap <= 0.05 and bf16_gap <= 0.02 and words_gap <= 0.1 and float(jvp) > 0
+    drawn = len(set(sampled)) > 1  # a sample (the exact path would give one value 20 times)
+    passed = untouched and gap <= 0.05 and bf16_gap <= 0.02 and words_gap <= 0.1 and drawn and float(jvp) > 0
     kernel = model.config._attn_implementation
     return {
         "status": "pass" if passed else "FAIL",
         "detail": f"JVP {float(jvp):.3e} vs finite difference {float(fd):.3e} ({gap:.1%}), bf16 products "
-        f"{float(bf16):.3e} ({bf16_gap:.1%}), 8 sampled words (mean of 20) {words_gap:.1%}; attention {kernel}; "
-        f"weights untouched: {untouched}",
+        f"{float(bf16):.3e} ({bf16_gap:.1%}), 8 sampled words (mean of 20) {words_gap:.1%}, drawn: {drawn}; "
+        f"attention {kernel}; weights untouched: {untouched}",
     }
 
 

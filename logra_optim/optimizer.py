@@ -152,8 +152,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             the tangent at these words by a dot product each, instead of a second product with the
             whole head and float64 arithmetic over every word. Default ``"auto"``: 64 words from a
             vocabulary of 8192 words on, every word below it. ``None``: every word (as with a
-            vocabulary of at most ``probe_words`` words, a head the probe cannot apply in chunks, or
-            a realised-KL check).
+            vocabulary of at most ``probe_words`` words, or a head the probe cannot apply in chunks).
+            An explicit count needs the JVP probe without ``realised_kl_check`` or
+            ``probe_logits_fn``, which read the logits over every word.
         probe_dtype: ``None`` (the probe computes in the weights' precision) or ``torch.bfloat16``:
             the matrix products of the JVP probe's linear layers are bf16 (through one reusable
             bf16 copy of the weight being multiplied; the LM head cast once per probe), everything else keeps

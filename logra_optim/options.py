@@ -153,6 +153,13 @@ class KLOptions:
                 "probe_words must be 'auto', None (every word) or an integer ≥ 4 (half of the words are drawn, "
                 f"and their variance needs two), got {words!r}"
             )
+        if isinstance(words, int) and (
+            self.probe != "jvp" or self.realised_kl_check or self.probe_logits_fn is not None
+        ):
+            raise ValueError(
+                f"probe_words={words} needs the JVP probe without realised_kl_check and without a probe_logits_fn: "
+                "the others read the logits over every word (use probe_words='auto' or None there)"
+            )
         if self.probe_dtype is not None:
             if self.probe_dtype != torch.bfloat16:
                 raise ValueError(

@@ -538,10 +538,17 @@ def words_to_sample(words: int | str | None, vocabulary: int) -> int | None:
     return None if words is None or vocabulary <= words else int(words)
 
 
+# Added to the update index to seed the word draws: a stream apart from the positions' draw
+# (subsample_positions), which the update index seeds itself.
+WORD_STREAM = 1 << 40
+
+
 def word_uniforms(positions: int, words: int, seed: int) -> torch.Tensor:
     """The uniforms that draw the sampled half (``words // 2``) of each position's words, from a CPU
-    generator seeded with ``seed`` (the update index), so the draw is the same on every device."""
-    return torch.rand(positions, words // 2, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    generator seeded with ``seed`` (the update index) plus :data:`WORD_STREAM`, so that every device
+    draws the same uniforms, independent of the positions' draw."""
+    generator = torch.Generator().manual_seed(seed + WORD_STREAM)
+    return torch.rand(positions, words // 2, generator=generator, dtype=torch.float64)
 
 
 def word_tangents(tangent: torch.Tensor, weight: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:

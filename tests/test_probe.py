@@ -341,6 +341,50 @@ def test_probe_with_sampled_words_estimates_the_exact_prediction(fitted_model, m
     assert seeds == [(8, 1)] and opt.stats["predicted_kl"] > 0
 
 
+def test_sampled_words_do_not_depend_on_the_head_chunks(fitted_model, monkeypatch):
+    """The uniforms are drawn for every position at once, so several chunks of the head (and of
+    the gathered rows) give each position the same words and the same terms as one chunk."""
+    model, opt, targets, factors, contexts = _sketched_probe_inputs(fitted_model, direction="sgd")
+    one, _, _ = jvp_predicted_kl(model, targets, factors, contexts, keep_base=False, words=8, seed=3)
+    monkeypatch.setattr(probe, "HEAD_CHUNK_POSITIONS", 3)  # 6-position chunks without the tangent half
+    monkeypatch.setattr(probe, "HEAD_CHUNK_LOGITS", 8 * 64 * 2)  # 2 positions' gathered rows at a time
+    several, _, _ = jvp_predicted_kl(model, targets, factors, contexts, keep_base=False, words=8, seed=3)
+    assert contexts.tokens > 6
+    assert float(several) == pytest.approx(float(one), rel=1e-12)
+
+
+def test_sampled_words_with_bf16_products_predict_within_a_percent(fitted_model):
+    model, opt, targets, factors, contexts = _sketched_probe_inputs(fitted_model, direction="sgd")
+    fp32, _, _ = jvp_predicted_kl(model, targets, factors, contexts, keep_base=False, words=8, seed=5)
+    bf16, _, _ = jvp_predicted_kl(
+        model, targets, factors, contexts, keep_base=False, compute_dtype=torch.bfloat16, words=8, seed=5
+    )
+    assert float(bf16) == pytest.approx(float(fp32), rel=1e-2)
+
+
+@pytest.mark.parametrize(("vocabulary", "sampled"), [(8192, True), (8191, False)])
+def test_the_optimizer_samples_words_by_default_from_8192_words_on(vocabulary, sampled, monkeypatch):
+    calls = []
+    sample = probe.sample_words
+    monkeypatch.setattr(probe, "sample_words", lambda *a, **k: calls.append(1) or sample(*a, **k))
+    model = patch_model(tiny_qwen2(vocab_size=vocabulary, hidden_size=32, intermediate_size=32, head_dim=16))
+    opt = LoGRAOptimizer(model, rank=4, kl_budget=1e-3, update_ratio=1e-2)
+    batch = fixed_batch(vocab_size=vocabulary, batch=2, seq=8)
+    model(**batch).loss.backward()
+    opt.step()
+    assert bool(calls) == sampled and opt.stats["predicted_kl"] > 0
+
+
+@pytest.mark.parametrize(
+    "setting", [dict(probe="finite_difference"), dict(realised_kl_check=True), dict(probe_logits_fn=lambda m, c: None)]
+)
+def test_an_explicit_word_count_is_refused_where_every_word_is_read(setting):
+    model = patch_model(tiny_qwen2())
+    with pytest.raises(ValueError, match="probe_words=16 needs the JVP probe"):
+        LoGRAOptimizer(model, rank=4, kl_budget=1e-3, probe_words=16, **setting)
+    LoGRAOptimizer(model, rank=4, kl_budget=1e-3, **setting)  # "auto" reads every word there
+
+
 @pytest.mark.parametrize("words", [3, 0, 2.5, True, "all", "64"])
 def test_probe_words_must_leave_two_draws(words):
     model = patch_model(tiny_qwen2())
