@@ -538,16 +538,17 @@ def words_to_sample(words: int | str | None, vocabulary: int) -> int | None:
     return None if words is None or vocabulary <= words else int(words)
 
 
-# Added to the update index to seed the word draws: a stream apart from the positions' draw
-# (subsample_positions), which the update index seeds itself.
-WORD_STREAM = 1 << 40
+# Added to the update index (mod 2³²) to seed the word draws: a stream apart from the positions'
+# draw (subsample_positions), which the update index seeds itself. The CPU generator's Mersenne
+# Twister keeps only a seed's low 32 bits, so the offset must change those.
+WORD_STREAM = 0x9E3779B9
 
 
 def word_uniforms(positions: int, words: int, seed: int) -> torch.Tensor:
     """The uniforms that draw the sampled half (``words // 2``) of each position's words, from a CPU
     generator seeded with ``seed`` (the update index) plus :data:`WORD_STREAM`, so that every device
     draws the same uniforms, independent of the positions' draw."""
-    generator = torch.Generator().manual_seed(seed + WORD_STREAM)
+    generator = torch.Generator().manual_seed((seed + WORD_STREAM) % 2**32)
     return torch.rand(positions, words // 2, generator=generator, dtype=torch.float64)
 
 

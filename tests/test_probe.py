@@ -341,6 +341,16 @@ def test_probe_with_sampled_words_estimates_the_exact_prediction(fitted_model, m
     assert seeds == [(8, 1)] and opt.stats["predicted_kl"] > 0
 
 
+@pytest.mark.parametrize("update", [0, 1, 2**32 - 1])
+def test_word_draws_are_a_stream_apart_from_the_positions_draw(update):
+    """Both are seeded by the update index; the words' uniforms must not repeat the permutation's
+    (the CPU generator keeps a seed's low 32 bits only)."""
+    words = probe.word_uniforms(40, 4, update).flatten()
+    positions = torch.rand(80, generator=torch.Generator().manual_seed(update), dtype=torch.float64)
+    assert not torch.equal(words, positions)
+    assert torch.equal(words, probe.word_uniforms(40, 4, update).flatten())  # reproducible
+
+
 def test_sampled_words_do_not_depend_on_the_head_chunks(fitted_model, monkeypatch):
     """The uniforms are drawn for every position at once, so several chunks of the head (and of
     the gathered rows) give each position the same words and the same terms as one chunk."""
