@@ -72,13 +72,19 @@ def sample_words(logits: torch.Tensor, top: int, uniforms: torch.Tensor, tempera
     rows, vocabulary = logits.shape
     top = min(top, vocabulary)
     samples = uniforms.shape[1] if top < vocabulary else 0
+    if top < vocabulary and samples < 2:
+        # Without draws the rest's share of the variance would be dropped, not estimated.
+        raise ValueError(f"sample_words needs at least 2 sampled words (uniforms per position), got {samples}")
     indices = logits.new_empty((rows, top + samples), dtype=torch.long)
     top_probabilities = logits.new_empty((rows, top), dtype=torch.float64)
     tail_mass = logits.new_zeros(rows, dtype=torch.float64)
     step = positions_per_chunk(vocabulary, logits.device)
     for start in range(0, rows, step):
         chunk = slice(start, start + step)
-        p = torch.softmax(_scaled_double(logits[chunk], temperature), dim=-1)
+        # The softmax in place: one float64 array per chunk (cumulative sums overwrite it too).
+        p = _scaled_double(logits[chunk], temperature)
+        p = p.sub_(p.amax(dim=-1, keepdim=True)).exp_()
+        p = p.div_(p.sum(dim=-1, keepdim=True))
         top_probabilities[chunk], indices[chunk, :top] = p.topk(top, dim=-1)
         if samples:
             # The others' cumulative mass; "right" finds the first word whose mass lies above u·total,

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from logra_optim import LoGRAOptimizer, patch_model
 from logra_optim.kl import (
     CosineBudget,
+    WordSample,
     budget_at,
     effective_budget,
     exact_kl_terms,
@@ -182,10 +183,15 @@ def test_word_draws_follow_the_probabilities():
     assert counts[0] == 0
 
 
-def test_sampled_terms_need_two_draws():
+@pytest.mark.parametrize("samples", [0, 1])
+def test_sampled_terms_need_two_draws(samples):
     logits, tangent = _random_logits(0, 2, 10, 1.0)
-    with pytest.raises(ValueError, match="at least 2 sampled words"):
-        _sampled_terms(logits, tangent, 3, 1, 0)
+    with pytest.raises(ValueError, match="sample_words needs at least 2 sampled words"):
+        _sampled_terms(logits, tangent, 3, samples, 0)
+    sample, _ = _sampled_terms(logits, tangent, 3, 2, 0)
+    one_draw = WordSample(sample.indices[:, :4], sample.top_probabilities, sample.tail_mass)
+    with pytest.raises(ValueError, match="sampled_fisher_kl_terms needs at least 2 sampled words"):
+        sampled_fisher_kl_terms(one_draw, tangent.gather(1, one_draw.indices))
 
 
 def test_the_lm_head_chunk_holds_its_logits_bounded():
