@@ -77,6 +77,7 @@ from pathlib import Path
 import torch
 
 from logra_optim import LoGRAOptimizer, patch_model
+from logra_optim.probe import words_to_sample
 
 from .arguments import (
     choice_list,
@@ -300,10 +301,13 @@ def warm_code_paths(spec: dict) -> None:
     the warm-up leaves resident (one-time caches and what glibc keeps: 5 MiB there) is in the
     baseline.
     Only where the baseline can lower the peak to the current level (:func:`reset_peak_rss`):
-    elsewhere the warm-up's own peak would be taken off the run's."""
-    model, optimizer = spec_optimizer(
-        build_model(spec, "cpu", warm_config(model_config(spec))), spec, min(spec["rank"], WARM_RANK)
-    )
+    elsewhere the warm-up's own peak would be taken off the run's. Where the run's KL probe reads a
+    sample of words, the warm-up's does too, at most a quarter of its 256 words."""
+    config = model_config(spec)
+    # The probe reads a sample of words where the run's does ("auto" samples only from 8192 words).
+    words = words_to_sample(spec.get("probe_words", "auto"), getattr(config, "vocab_size", 0))
+    warm = {**spec, "probe_words": None if words is None else min(words, WARM_SIZES["vocab_size"] // 4)}
+    model, optimizer = spec_optimizer(build_model(spec, "cpu", warm_config(config)), warm, min(spec["rank"], WARM_RANK))
     input_ids = torch.randint(
         0, model.config.vocab_size, (spec["batch"], 16), generator=torch.Generator().manual_seed(1)
     )
