@@ -504,7 +504,8 @@ def _chunked_head_kl_terms(
         raise RuntimeError("KL probe: the hidden states carry no tangent; no patched target was on the path to them")
     primal, tangent = primal[contexts.probe_mask], tangent[contexts.probe_mask]
     words = words_to_sample(words, head.weight.shape[0])
-    uniforms = None if words is None else word_uniforms(primal.shape[0], words, seed).to(primal.device)
+    # The more likely half exactly, the other half drawn (one uniform per drawn word).
+    uniforms = None if words is None else word_uniforms(primal.shape[0], words // 2, seed).to(primal.device)
     terms = [torch.zeros(0, dtype=torch.float64, device=primal.device)]
     # Without the tangent half, twice the positions make a product of the same rows and logits.
     step = head_chunk_positions(head.weight.shape[0]) * (1 if uniforms is None else 2)
@@ -515,7 +516,7 @@ def _chunked_head_kl_terms(
             terms.append(fisher_kl_terms(logits, tangent_logits, contexts.temperature))
         else:
             logits, _ = _primal_and_tangent(primal[rows], None, head.weight, head.bias, products)
-            sample = sample_words(logits, words - uniforms.shape[1], uniforms[rows], contexts.temperature)
+            sample = sample_words(logits, words - words // 2, uniforms[rows], contexts.temperature)
             del logits
             word_tangent = word_tangents(tangent[rows], head.weight, sample.indices)
             terms.append(sampled_fisher_kl_terms(sample, word_tangent, contexts.temperature))
@@ -544,12 +545,12 @@ def words_to_sample(words: int | str | None, vocabulary: int) -> int | None:
 WORD_STREAM = 0x9E3779B9
 
 
-def word_uniforms(positions: int, words: int, seed: int) -> torch.Tensor:
-    """The uniforms that draw the sampled half (``words // 2``) of each position's words, from a CPU
+def word_uniforms(positions: int, draws: int, seed: int) -> torch.Tensor:
+    """The uniforms (``positions × draws``) that draw each position's sampled words, from a CPU
     generator seeded with ``seed`` (the update index) plus :data:`WORD_STREAM`, so that every device
     draws the same uniforms, independent of the positions' draw."""
     generator = torch.Generator().manual_seed((seed + WORD_STREAM) % 2**32)
-    return torch.rand(positions, words // 2, generator=generator, dtype=torch.float64)
+    return torch.rand(positions, draws, generator=generator, dtype=torch.float64)
 
 
 def word_tangents(tangent: torch.Tensor, weight: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:

@@ -507,7 +507,9 @@ def test_bench_with_kl_control_on_a_subset_of_positions_and_words(tmp_path):
         tmp_path, "logra-rowadam", "--kl-budget", "1e-3", "--probe-positions", "5", "--probe-words", "8"
     )
     assert data["meta"]["probe_positions"] == 5 and data["meta"]["probe_words"] == 8
-    _, optimizer = make_optimizer(build_tiny_model(bench_preset("tiny")), "logra-rowadam", 4, 1e-3, None, 5, 8)
+    _, optimizer = make_optimizer(
+        build_tiny_model(bench_preset("tiny")), "logra-rowadam", 4, 1e-3, probe_positions=5, probe_words=8
+    )
     assert optimizer.kl_control.options.probe_positions == 5
     assert optimizer.kl_control.options.probe_words == 8
     _, optimizer = make_optimizer(build_tiny_model(bench_preset("tiny")), "logra-rowadam", 4, 1e-3)

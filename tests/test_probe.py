@@ -345,10 +345,10 @@ def test_probe_with_sampled_words_estimates_the_exact_prediction(fitted_model, m
 def test_word_draws_are_a_stream_apart_from_the_positions_draw(update):
     """Both are seeded by the update index; the words' uniforms must not repeat the permutation's
     (the CPU generator keeps a seed's low 32 bits only)."""
-    words = probe.word_uniforms(40, 4, update).flatten()
+    words = probe.word_uniforms(40, 2, update).flatten()
     positions = torch.rand(80, generator=torch.Generator().manual_seed(update), dtype=torch.float64)
     assert not torch.equal(words, positions)
-    assert torch.equal(words, probe.word_uniforms(40, 4, update).flatten())  # reproducible
+    assert torch.equal(words, probe.word_uniforms(40, 2, update).flatten())  # reproducible
 
 
 def test_sampled_words_do_not_depend_on_the_head_chunks(fitted_model, monkeypatch):
@@ -543,12 +543,15 @@ def test_probe_works_in_common_training_setups(fitted_model, setting):
     assert model.config._attn_implementation == "sdpa" and model.training
 
 
-def test_probe_inside_autocast_matches_fp32(fitted_model):
+@pytest.mark.parametrize("words", ["auto", 8])  # every word of the 128, and a sample of 8
+def test_probe_inside_autocast_matches_fp32(fitted_model, words):
     base, batch = fitted_model
     predicted = []
     for autocast in (False, True):
         model = patch_model(copy.deepcopy(base))
-        opt = LoGRAOptimizer(model, rank=16, kl_budget=1e-4, update_ratio=5e-3, alpha_max=100.0, wire_dtype=None)
+        opt = LoGRAOptimizer(
+            model, rank=16, kl_budget=1e-4, update_ratio=5e-3, alpha_max=100.0, wire_dtype=None, probe_words=words
+        )
         model(**batch).loss.backward()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             opt.step()

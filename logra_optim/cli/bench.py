@@ -336,12 +336,11 @@ def make_optimizer(
     method: str,
     rank: int,
     kl_budget: float | None = None,
-    probe_dtype: torch.dtype | None = None,
-    probe_positions: int | None = None,
-    probe_words: int | str | None = "auto",
+    **probe,
 ):
     """The optimizer of ``method`` (and the model it trains: LoRA wraps it); ``None`` for the
-    ``frozen`` floor, whose step is forward and backward alone. The probe options are LoGRA's."""
+    ``frozen`` floor, whose step is forward and backward alone. ``probe``: LoGRA's probe options
+    (``probe_dtype``, ``probe_positions``, ``probe_words``), its defaults where not given."""
     if method == "frozen":
         model.requires_grad_(False)
         model.enable_input_require_grads()
@@ -352,9 +351,7 @@ def make_optimizer(
             rank=rank,
             direction=method.removeprefix("logra-"),
             kl_budget=kl_budget,
-            probe_dtype=probe_dtype,
-            probe_positions=probe_positions,
-            probe_words=probe_words,
+            **probe,
         )
         return model, optimizer
     # Stacked experts (mixture of experts) are LoGRA's targets too (peers.py); Flora treats them as any
@@ -381,16 +378,10 @@ def make_optimizer(
 
 def spec_optimizer(model, spec: dict, rank: int):
     """:func:`make_optimizer` with the spec's method and KL options, at ``rank``."""
-    probe_dtype = getattr(torch, spec["probe_dtype"]) if spec.get("probe_dtype") else None
-    return make_optimizer(
-        model,
-        spec["method"],
-        rank,
-        spec.get("kl_budget"),
-        probe_dtype,
-        spec.get("probe_positions"),
-        spec.get("probe_words", "auto"),
-    )
+    probe = {name: spec[name] for name in ("probe_positions", "probe_words") if name in spec}
+    if spec.get("probe_dtype"):
+        probe["probe_dtype"] = getattr(torch, spec["probe_dtype"])
+    return make_optimizer(model, spec["method"], rank, spec.get("kl_budget"), **probe)
 
 
 def run_worker(spec: dict) -> dict:
