@@ -91,8 +91,13 @@ SWEEP_OPTIONS = {
     "kl_budget": "--logra-budgets",
     "update_ratio": "--logra-ratios",
 }
-# The DemoSettings field of each learning-rate method's rate (the AdamW ones share adamw_lr).
-LR_FIELDS = {"lora": "lora_lr", "galore": "galore_lr", "apollo-mini": "apollo_mini_lr"}
+# The DemoSettings field of each learning-rate method's rate.
+LR_FIELDS = {
+    "adamw-targets": "adamw_targets_lr",
+    "lora": "lora_lr",
+    "galore": "galore_lr",
+    "apollo-mini": "apollo_mini_lr",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,7 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--final-window", type=positive_int, default=None, help="updates in the final window (default: steps/5)"
     )
     # The stored results' settings; the demo's larger default policy takes fewer of each.
-    parser.add_argument("--batch-size", type=positive_int, default=64, help="completions per update")
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="completions per microbatch")
+    parser.add_argument(
+        "--accumulation", type=positive_int, default=1, help="microbatches per update (generated together)"
+    )
     parser.add_argument("--probe-samples", type=positive_int, default=32, help="LoGRA's probe sequences")
     parser.add_argument("--warm-start-steps", type=int, default=1000, help="at most this many supervised steps")
     parser.add_argument(
@@ -426,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
             "rank": args.rank,
             "policy": args.policy,
             "batch_size": 32 if args.quick else args.batch_size,
+            "accumulation": args.accumulation,
             "probe_samples": args.probe_samples,
             "final_window": window,
             "digits": args.digits,
@@ -455,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
             methods=list(args.methods),
             device=args.device,
             batch_size=args.batch_size,
+            accumulation=args.accumulation,
             probe_samples=args.probe_samples,
             probe_dtype=None,  # as the stored results were measured
             warm_start_lr=args.warm_start_lr,

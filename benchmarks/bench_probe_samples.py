@@ -58,7 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--policy", choices=sorted(demo.POLICIES), default=defaults.policy, help="the demo's built-in policy"
     )
-    parser.add_argument("--batch-size", type=positive_int, default=defaults.batch_size, help="completions per update")
+    parser.add_argument(
+        "--batch-size", type=positive_int, default=defaults.batch_size, help="completions per microbatch"
+    )
+    parser.add_argument(
+        "--accumulation", type=positive_int, default=defaults.accumulation, help="microbatches per update"
+    )
     parser.add_argument("--warm-start-steps", type=int, default=defaults.warm_start_steps, help="at most this many")
     parser.add_argument("--tail", type=positive_float, default=5.0, help="count updates above this × the budget")
     parser.add_argument(
@@ -116,7 +121,7 @@ def markdown(report: dict) -> str:
         f"Command: `{report['command']}`",
         "",
         f"`logra demo`'s `{settings['policy']}` policy on `{settings['task']}`, {settings['steps']} updates of "
-        f"{settings['batch_size']} completions, LoGRA rank {settings['rank']}, KL budget "
+        f"{settings['accumulation']} × {settings['batch_size']} completions, LoGRA rank {settings['rank']}, KL budget "
         f"{settings['kl_budget']:g} per update, {settings['direction']} directions"
         + (f", `kl_floor={settings['kl_floor']:g}`" if settings.get("kl_floor") else "")
         + ". KL per update on 8 sequences "
@@ -204,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         steps=args.steps,
         seeds=args.seeds,
         batch_size=args.batch_size,
+        accumulation=args.accumulation,
         warm_start_steps=args.warm_start_steps,
         methods=["adamw", "logra"],
         device=args.device,

@@ -5,9 +5,10 @@ values ``σ`` set to ``σ / sqrt(σ² + (floor σ_max)²)``. A direction at ``k 
 ``1 / sqrt(1 + 1/k²)`` (0.995 at ``k = 10``), so those that carry the sketch stay at 1 and those at
 its rounding noise become ``≈ σ / (floor σ_max)`` instead of being raised to 1.
 
-Only the ``r×r`` Gram matrices need the inverse square root. On a CPU it is a float64
-eigendecomposition, one target at a time (LAPACK's is fast at these sizes, and a batch would only
-hold more memory). On a GPU it is a coupled Newton–Schulz iteration in float64, matrix products
+Only the ``r×r`` Gram matrices need the inverse square root, and they are taken in batches of
+targets of one ``r``, so that the power iterations that set the floor run once per batch instead of
+once per target (at rank 32 their small products cost more in calls than in arithmetic). On a CPU
+the root is a float64 eigendecomposition. On a GPU it is a coupled Newton–Schulz iteration in float64, matrix products
 only, over batches of targets of one ``r``: cuSOLVER's eigendecomposition of a 256×256 matrix takes
 about 2 ms and does not batch at that size, 0.11 s of GPU time per update for the 56 targets of an
 8-layer Qwen2.5-1.5B on an H200, against 0.47 s for the optimizer's whole step (docs/benchmarks.md,
@@ -71,7 +72,8 @@ def orthogonal_directions(
     directions: list[torch.Tensor | None] = [None] * len(numerators)
     for chunk, chosen in _chunks(numerators, experts, method):
         # One target's float64 copy at a time: all of them at once would weigh twice the sketches. A
-        # chunk of one target (the CPU's) keeps its copy from the Gram matrix to the product.
+        # chunk of one target keeps its copy from the Gram matrix to the product; larger chunks make it
+        # again for the product (a d×r cast, against the two d×r² products).
         kept = None
         grams = []
         for index in chunk:
@@ -86,15 +88,14 @@ def orthogonal_directions(
 
 
 def _chunks(numerators: Sequence[torch.Tensor], experts: Sequence[int], method: str | None):
-    """Targets in batches of one device and one ``r``, with the method for each. Newton–Schulz batches
-    up to :data:`BATCH_BYTES` of Gram matrices (its iterates are a few copies of them); eigh gains
-    nothing from a batch, so it takes one target at a time and keeps the memory of the old path."""
+    """Targets in batches of one device and one ``r`` of up to :data:`BATCH_BYTES` of Gram matrices
+    (Newton–Schulz's iterates are a few copies of them), with the method for each."""
     groups: dict[tuple, list[int]] = {}
     for index, numerator in enumerate(numerators):
         groups.setdefault((numerator.device, numerator.shape[-1]), []).append(index)
     for (device, r), indices in groups.items():
         chosen = method or ("newton-schulz" if device.type == "cuda" else "eigh")
-        budget = BATCH_BYTES // (r * r * 8) if chosen == "newton-schulz" else 1
+        budget = max(1, BATCH_BYTES // (r * r * 8))
         chunk, blocks = [], 0
         for index in indices:
             if chunk and blocks + experts[index] > budget:

@@ -122,6 +122,7 @@ def test_unwritable_output_dir_is_refused(capsys, tmp_path):
         (["demo", "--beta1", "1"], "--beta1"),
         (["demo", "--beta1", "-0.5"], "--beta1"),
         (["demo", "--refresh-every", "0"], "--refresh-every"),
+        (["demo", "--accumulation", "0"], "--accumulation"),
         (["demo", "--threads", "0"], "--threads"),
         (["bench", "--methods", "adam"], "--methods"),
         (["bench", "--preset", "llama-70b"], "--preset"),
@@ -193,7 +194,8 @@ def test_demo_learning_rates_default_to_the_policys():
 
     medium = demo.DemoSettings(output="")
     assert medium.policy == "medium"
-    assert (medium.adamw_lr, medium.lora_lr, medium.warm_start_lr) == (3e-5, 3e-4, 1e-3)
+    assert (medium.adamw_lr, medium.adamw_targets_lr, medium.lora_lr, medium.warm_start_lr) == (3e-5, 1e-4, 3e-4, 1e-3)
+    assert (medium.learning_rate("adamw"), medium.learning_rate("adamw-targets")) == (3e-5, 1e-4)
     tiny = demo.DemoSettings(output="", policy="tiny", lora_lr=5e-4)
     assert (tiny.adamw_lr, tiny.lora_lr, tiny.warm_start_lr) == (3e-4, 5e-4, 2e-3)
     assert demo.DemoSettings(output="", model="/some/model").adamw_lr == demo.MODEL_RATES.adamw

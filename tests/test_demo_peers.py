@@ -293,3 +293,29 @@ def test_auto_probe_dtype_stays_fp32_under_the_realised_kl_check(warm_settings, 
     assert record["probe_dtype"] is None
     record, seen = run_observed(monkeypatch, asdict(warm_settings), "logra")
     assert seen["trainer"].optimizer.optimizer.kl_control.options.probe_dtype is torch.bfloat16
+
+
+@pytest.mark.parametrize("method", ["logra", "adamw"])
+def test_demo_worker_accumulates_microbatches_into_one_update(warm_settings, monkeypatch, tmp_path, method):
+    """``--accumulation 2``: every update trains on two microbatches (two forward+backward passes of
+    TRL's trainer) before one optimizer step, and the run still makes ``steps`` updates."""
+    import trl
+
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    argv = ["--accumulation", "2", "--output", str(tmp_path)]
+    assert demo.settings_from(parser.parse_args(argv), parser).accumulation == 2
+    passes = []
+    training_step = trl.GRPOTrainer.training_step
+    monkeypatch.setattr(
+        trl.GRPOTrainer, "training_step", lambda self, *a, **k: passes.append(1) or training_step(self, *a, **k)
+    )
+    record, seen = run_observed(monkeypatch, asdict(warm_settings) | {"accumulation": 2}, method)
+    trainer = seen["trainer"]
+    assert trainer.args.gradient_accumulation_steps == 2 and trainer.state.global_step == warm_settings.steps
+    assert len(passes) == 2 * warm_settings.steps
+    assert len(record["train_rewards"]) == warm_settings.steps
+    if method == "logra":  # one probe, so one LoGRA update, per optimizer step
+        assert len(record["logra_stats"]["logra/probe_seconds"]) == warm_settings.steps
+    changed = [not torch.equal(p, seen["before"][name]) for name, p in trainer.model.named_parameters()]
+    assert any(changed)

@@ -167,18 +167,24 @@ def test_only_the_blocks_that_do_not_converge_go_to_eigh(monkeypatch):
     assert torch.equal(roots[[0, 2]], iterated[[0, 2]]) and torch.equal(roots[1], exact[1])
 
 
-def test_newton_schulz_batches_are_bounded_and_equal_one_batch(monkeypatch):
-    """Targets beyond ``BATCH_BYTES`` of Gram matrices go in several batches, with the same result."""
+@pytest.mark.parametrize("method", polar.METHODS)
+def test_batches_are_bounded_and_equal_one_batch(monkeypatch, method):
+    """Targets beyond ``BATCH_BYTES`` of Gram matrices go in several batches, with the same result
+    (and eigh batches too: its power iterations run once per batch, not once per target)."""
     generator = torch.Generator().manual_seed(6)
     numerators = [torch.randn(30, 8, generator=generator) for _ in range(7)]
-    together = orthogonal_directions(numerators, method="newton-schulz")
     sizes = []
     original = polar.regularised_inverse_sqrt
     monkeypatch.setattr(polar, "regularised_inverse_sqrt", lambda g, *a: sizes.append(g.shape[0]) or original(g, *a))
+    together = orthogonal_directions(numerators, method=method)
+    assert sizes == [7]
     monkeypatch.setattr(polar, "BATCH_BYTES", 3 * 8 * 8 * 8)  # three 8×8 float64 matrices
-    chunked = orthogonal_directions(numerators, method="newton-schulz")
-    assert sizes == [3, 3, 1]
+    chunked = orthogonal_directions(numerators, method=method)
+    assert sizes == [7, 3, 3, 1]
     for a, b in zip(together, chunked):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    one_by_one = [orthogonal_directions([n], method=method)[0] for n in numerators]
+    for a, b in zip(together, one_by_one):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 

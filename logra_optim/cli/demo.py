@@ -90,19 +90,23 @@ class DemoSettings:
     output: str
     task: str = "addition"
     digits: int = 1
-    steps: int = 200
+    # 100 updates of 2 microbatches of 32 completions (below): the completions of the former 200
+    # updates of one microbatch, in about the same time. An update of one microbatch of 3-token
+    # completions reads so few tokens that the costs that do not grow with them (AdamW's step;
+    # LoGRA's probe, directions and merge) decided the time per update (docs/benchmarks.md, "The
+    # demo"); RL trainers accumulate many microbatches per update.
+    steps: int = 100
     rank: int = 32
-    # KL per update, and a first moment over a projection kept for 10 updates: a GRPO batch of 32
-    # completions is mostly noise, and without averaging each update spent its whole budget on it.
-    # Chosen by an equal sweep on seed 0 (docs/benchmarks.md); the realised KL per update measures
-    # 2.5–6.5e-4 for AdamW on the same targets here; LoGRA's former 3e-2 was 50–100× that.
-    kl_budget: float = 1e-3
+    # KL per update, and a first moment over a projection kept for 10 updates: a GRPO batch is mostly
+    # noise, and without averaging each update spent its whole budget on it. Chosen by an equal sweep
+    # on seed 0 (docs/benchmarks.md): 3e-3 with 64 completions per update, 1e-3 with 32.
+    kl_budget: float = 3e-3
     # The relative step before KL control scales it; the default 6e-5 is for billion-parameter
     # models and would cap α (at alpha_max) long before this tiny one reaches the budget.
     update_ratio: float = 5e-2
     # Completions are 2–3 tokens: with the optimizer's default 2 probed sequences the KL that an
-    # update moves the rest of the batch has a wide tail here; 8 (a quarter of the batch) costs about
-    # what LoGRA saves in the backward (docs/benchmarks.md: how many sequences the KL probe reads).
+    # update moves the rest of the batch has a wide tail here; 8 (of the update's last microbatch)
+    # narrow it (docs/benchmarks.md: how many sequences the KL probe reads).
     probe_samples: int = 8
     # The probe's products in bf16 (as a bf16 training forward's; the KL math stays float64): prediction
     # within a percent, a third less probe time where bf16 products are fast (docs/benchmarks.md).
@@ -124,7 +128,8 @@ class DemoSettings:
     # 0.37–0.43) and the run 15 minutes long (docs/benchmarks.md, "The demo").
     gradient_checkpointing: bool = False
     # Learning rates; None: the policy's (POLICY_RATES).
-    adamw_lr: float | None = None  # dense AdamW and AdamW on the targets
+    adamw_lr: float | None = None  # dense AdamW
+    adamw_targets_lr: float | None = None  # AdamW on LoGRA's targets
     lora_lr: float | None = None
     galore_lr: float | None = None
     apollo_mini_lr: float | None = None
@@ -136,11 +141,12 @@ class DemoSettings:
     # AdamW at this rate trains every other parameter (embeddings, norms, biases) beside it, through
     # LoGRAOptimizer's non_target_optimizer, as GaLore and APOLLO-Mini do with peer_scope "all".
     logra_non_target_lr: float | None = None
-    eval_every: int = 50  # greedy evaluation every this many updates (0: before and after RL only)
+    eval_every: int = 25  # greedy evaluation every this many updates (0: before and after RL only)
     warm_start_steps: int = 1000
     warm_start_reward: float = 0.45
     warm_start_lr: float | None = None
-    batch_size: int = 32  # completions per update: 4 prompts × num_generations
+    batch_size: int = 32  # completions per microbatch: 4 prompts × num_generations
+    accumulation: int = 2  # microbatches per update (generated together, one optimizer step)
     num_generations: int = 8
     seeds: list[int] = field(default_factory=lambda: [0])
     methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
@@ -156,6 +162,7 @@ class DemoSettings:
         if rates is None:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         self.adamw_lr = self.adamw_lr or rates.adamw
+        self.adamw_targets_lr = self.adamw_targets_lr or rates.adamw_targets
         self.lora_lr = self.lora_lr or rates.lora
         self.galore_lr = self.galore_lr or rates.galore
         self.apollo_mini_lr = self.apollo_mini_lr or rates.apollo_mini
@@ -183,7 +190,12 @@ class DemoSettings:
     def learning_rate(self, method: str) -> float:
         """The learning rate ``method`` trains at (LoGRA's optimizer takes none: the AdamW one is the
         trainer's unused setting)."""
-        rates = {"lora": self.lora_lr, "galore": self.galore_lr, "apollo-mini": self.apollo_mini_lr}
+        rates = {
+            "adamw-targets": self.adamw_targets_lr,
+            "lora": self.lora_lr,
+            "galore": self.galore_lr,
+            "apollo-mini": self.apollo_mini_lr,
+        }
         return rates.get(method, self.adamw_lr)
 
     @property
@@ -207,14 +219,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task", choices=sorted(tasks.TASKS), default="addition", help="the verifiable task")
     parser.add_argument("--digits", type=positive_int, default=defaults.digits, help="operand digits (sort: digits+2)")
     parser.add_argument("--steps", type=positive_int, default=defaults.steps, help="GRPO updates per run")
+    parser.add_argument(
+        "--accumulation",
+        type=positive_int,
+        default=None,
+        help=f"microbatches of {defaults.batch_size} completions per update, generated together and trained with "
+        f"gradient accumulation; default {defaults.accumulation}, or 1 with --quick",
+    )
     parser.add_argument("--rank", type=positive_int, default=defaults.rank, help="LoGRA sketch rank")
     parser.add_argument("--kl-budget", type=positive_float, default=defaults.kl_budget, help="LoGRA KL per update")
     parser.add_argument(
         "--probe-samples",
         type=positive_int,
         default=defaults.probe_samples,
-        help=f"sequences of each batch ({defaults.batch_size}) that LoGRA's KL probe reads; the KL meter reads "
-        f"{KL_METER_SAMPLES} others",
+        help=f"sequences of each microbatch ({defaults.batch_size}; the update's last) that LoGRA's KL probe reads; "
+        f"the KL meter reads {KL_METER_SAMPLES} others",
     )
     parser.add_argument(
         "--probe-dtype",
@@ -236,7 +255,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--adamw-lr",
         type=positive_float,
         default=None,
-        help="both AdamW methods' learning rate (default: the policy's)",
+        help="dense AdamW's learning rate (default: the policy's)",
+    )
+    parser.add_argument(
+        "--adamw-targets-lr",
+        type=positive_float,
+        default=None,
+        help="the learning rate of AdamW on LoGRA's targets (default: the policy's)",
     )
     parser.add_argument(
         "--lora-lr", type=positive_float, default=None, help="LoRA's learning rate (default: the policy's)"
@@ -330,6 +355,7 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         task=args.task,
         digits=args.digits,
         steps=args.steps,
+        accumulation=args.accumulation or (1 if args.quick else DemoSettings.accumulation),
         rank=args.rank,
         kl_budget=args.kl_budget,
         probe_samples=args.probe_samples,
@@ -338,6 +364,7 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         refresh_every=args.refresh_every,
         direction=args.direction,
         adamw_lr=args.adamw_lr,
+        adamw_targets_lr=args.adamw_targets_lr,
         lora_lr=args.lora_lr,
         galore_lr=args.galore_lr,
         apollo_mini_lr=args.apollo_mini_lr,
@@ -397,7 +424,8 @@ class PolicyRates:
     """Learning rates for one policy: each method's best of an equal sweep on it
     (docs/benchmarks.md, "The demo")."""
 
-    adamw: float  # dense AdamW and AdamW on the targets
+    adamw: float  # dense AdamW
+    adamw_targets: float  # AdamW on LoGRA's targets
     lora: float
     warm_start: float  # the supervised warm start's AdamW
     galore: float  # GaLore on the targets, AdamW on the rest
@@ -423,12 +451,12 @@ class PolicyRates:
 # 1e-3 tiny (≈ 0.6×) and 3e-4 medium (10× AdamW's, the ratio of GaLore's paper at scale 0.25);
 # APOLLO-Mini at AdamW's rate. The small policy takes the tiny one's, ``--model`` the medium's ratios.
 POLICY_RATES = {
-    "tiny": PolicyRates(adamw=3e-4, lora=3e-4, warm_start=2e-3, galore=1e-3, apollo_mini=3e-4),
-    "small": PolicyRates(adamw=3e-4, lora=3e-4, warm_start=2e-3, galore=1e-3, apollo_mini=3e-4),
-    "medium": PolicyRates(adamw=3e-5, lora=3e-4, warm_start=1e-3, galore=3e-4, apollo_mini=3e-5),
+    "tiny": PolicyRates(adamw=3e-4, adamw_targets=3e-4, lora=3e-4, warm_start=2e-3, galore=1e-3, apollo_mini=3e-4),
+    "small": PolicyRates(adamw=3e-4, adamw_targets=3e-4, lora=3e-4, warm_start=2e-3, galore=1e-3, apollo_mini=3e-4),
+    "medium": PolicyRates(adamw=3e-5, adamw_targets=1e-4, lora=3e-4, warm_start=1e-3, galore=3e-4, apollo_mini=3e-5),
 }
 # ``--model``: a pretrained causal LM; not tuned here, set the rates for it.
-MODEL_RATES = PolicyRates(adamw=3e-4, lora=3e-4, warm_start=1e-3, galore=3e-3, apollo_mini=3e-4)
+MODEL_RATES = PolicyRates(adamw=3e-4, adamw_targets=3e-4, lora=3e-4, warm_start=1e-3, galore=3e-3, apollo_mini=3e-4)
 
 
 def build_policy(tokenizer, seed: int, size: str = "tiny"):
@@ -554,6 +582,7 @@ def _grpo_config(settings: DemoSettings, method: str, seed: int, device: str):
         output_dir=str(Path(settings.output) / "runs" / f"{method}-seed{seed}"),
         max_steps=settings.steps,
         per_device_train_batch_size=settings.batch_size,
+        gradient_accumulation_steps=settings.accumulation,
         num_generations=settings.num_generations,
         max_completion_length=tasks.answer_length(settings.task, settings.digits) + 1,
         temperature=1.0,
@@ -613,7 +642,8 @@ def peer_optimizer(model, method: str, args, rank: int):
 
 def run_worker(spec: dict) -> dict:
     """Train from the warm-start checkpoint with ``spec["method"]`` (one of ``METHODS``) in
-    this fresh process; return the record. The AdamW methods train at ``settings.adamw_lr``, LoRA at
+    this fresh process; return the record. Dense AdamW trains at ``settings.adamw_lr``, AdamW on the
+    targets at ``settings.adamw_targets_lr``, LoRA at
     ``settings.lora_lr``, GaLore and APOLLO-Mini at ``settings.galore_lr`` and ``settings.apollo_mini_lr``,
     LoGRA at ``settings.kl_budget`` (``None``: no KL control, a fixed relative step) and
     ``settings.update_ratio``."""
@@ -633,7 +663,11 @@ def run_worker(spec: dict) -> dict:
     before = evaluate(model, tokenizer, settings, device)
     model = prepare_model(model, method, settings.rank, settings.peer_scope)
     problems = tasks.make_problems(
-        settings.task, settings.steps * settings.batch_size, digits=settings.digits, style=settings.style, seed=seed
+        settings.task,
+        settings.steps * settings.batch_size * settings.accumulation,
+        digits=settings.digits,
+        style=settings.style,
+        seed=seed,
     )
     dataset = Dataset.from_dict({"prompt": [p.prompt for p in problems], "answer": [p.answer for p in problems]})
     evaluations, meter = greedy_evaluations(settings, tokenizer, device), kl_meter(device, settings.probe_samples)
