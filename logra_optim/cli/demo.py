@@ -433,9 +433,10 @@ class PolicyRates:
 
 
 # The tiny policy's are the learning benchmark's (LoRA: 3e-4 and 1e-3 tied there; 1e-3 collapses on
-# the small policy). The medium policy wants AdamW steps 10× smaller (3e-5; its reward falls back at
-# 1e-4 and above); LoRA's best there is 3e-4 and LoGRA's KL budget 3e-2, as on the tiny one. Best
-# means the highest sampled-reward AUC, as in the learning benchmark. The medium policy's warm start
+# the small policy). The medium policy's are from the demo's sweep at its batch (2 microbatches of
+# 32 completions per update; benchmarks/results/demo-sweep-acc2/): dense AdamW 3e-5 (its reward falls
+# back at 3e-4), AdamW on the targets 1e-4, LoRA 3e-4. Best means the highest sampled-reward AUC, as
+# in the learning benchmark. The medium policy's warm start
 # at 2e-3 takes 440 supervised steps to the target reward, at 1e-3 120.
 # GaLore and APOLLO-Mini are not swept here yet (bench_learning.py --methods galore,apollo-mini does):
 # their rates are chosen so that an update moves the policy about as far as AdamW's does at its rate,
