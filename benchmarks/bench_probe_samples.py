@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--accumulation", type=positive_int, default=defaults.accumulation, help="microbatches per update"
     )
     parser.add_argument("--warm-start-steps", type=int, default=defaults.warm_start_steps, help="at most this many")
+    parser.add_argument("--kl-budget", type=positive_float, default=defaults.kl_budget, help="LoGRA's KL per update")
     parser.add_argument("--tail", type=positive_float, default=5.0, help="count updates above this × the budget")
     parser.add_argument(
         "--kl-floor", type=positive_float, default=None, help="LoGRA's kl_floor (default: none, as in the demo)"
@@ -210,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         seeds=args.seeds,
         batch_size=args.batch_size,
         accumulation=args.accumulation,
+        kl_budget=args.kl_budget,
         warm_start_steps=args.warm_start_steps,
         methods=["adamw", "logra"],
         device=args.device,

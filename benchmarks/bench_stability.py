@@ -53,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = demo.DemoSettings(output="")
     parser.add_argument("--steps", type=positive_int, default=1000, help="GRPO updates per run")
     parser.add_argument("--seeds", type=int_list, default=[0], help="comma-separated")
-    parser.add_argument("--kl-budget", type=positive_float, default=defaults.kl_budget, help="KL budget per update")
+    parser.add_argument(
+        "--kl-budget", type=positive_float, default=1e-3, help="KL budget per update (the stored runs')"
+    )
     parser.add_argument("--update-ratio", type=positive_float, default=defaults.update_ratio)
     parser.add_argument("--beta1", type=float, default=defaults.beta1, help="first-moment decay (0: none)")
     parser.add_argument(
@@ -67,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy", choices=sorted(demo.POLICIES), default="tiny", help="the demo's built-in policy to train"
     )
     parser.add_argument("--window", type=positive_int, default=50, help="updates per reward window")
-    parser.add_argument("--batch-size", type=positive_int, default=64, help="completions per update")
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="completions per microbatch")
+    parser.add_argument("--accumulation", type=positive_int, default=1, help="microbatches per update")
     parser.add_argument("--warm-start-steps", type=int, default=1000, help="at most this many supervised steps")
     parser.add_argument(
         "--collapse-tolerance",
@@ -221,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         direction=args.direction,
         seeds=args.seeds,
         batch_size=args.batch_size,
+        accumulation=args.accumulation,
         probe_samples=32,
         probe_dtype=None,  # the realised-KL check compares fp32 logits
         warm_start_steps=args.warm_start_steps,

@@ -47,7 +47,14 @@ def worker(spec: dict) -> dict:
         return result
 
     trl.GRPOTrainer.train = profiled_train  # the demo's worker builds and runs its own trainer
-    settings = {"output": spec["output"], "steps": spec["steps"], "eval_every": 0, "seeds": [spec["seed"]]}
+    settings = {
+        "output": spec["output"],
+        "steps": spec["steps"],
+        "eval_every": 0,
+        "seeds": [spec["seed"]],
+        "accumulation": spec["accumulation"],
+        "kl_budget": spec["kl_budget"],
+    }
     demo.run_worker({"settings": settings, "method": spec["method"], "seed": spec["seed"]})
     return {"method": spec["method"], **measured}
 
@@ -58,10 +65,20 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--methods", nargs="+", default=list(demo.DEFAULT_METHODS), choices=demo.METHODS)
+    defaults = demo.DemoSettings(output="")
+    parser.add_argument("--accumulation", type=int, default=defaults.accumulation, help="microbatches per update")
+    parser.add_argument("--kl-budget", type=float, default=defaults.kl_budget, help="LoGRA's KL per update")
     args = parser.parse_args(argv)
     rows = []
     for method in args.methods:
-        spec = dict(output=args.output, seed=args.seed, steps=args.steps, method=method)
+        spec = dict(
+            output=args.output,
+            seed=args.seed,
+            steps=args.steps,
+            method=method,
+            accumulation=args.accumulation,
+            kl_budget=args.kl_budget,
+        )
         rows.append(run_fresh(worker, spec, label=f"tensor memory ({method})"))
     adamw = next((r for r in rows if r["method"] == "adamw"), None)
     print("| method | weights MiB | tensor peak MiB | tensor peak / dense AdamW's |")

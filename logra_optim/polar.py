@@ -7,13 +7,14 @@ its rounding noise become ``≈ σ / (floor σ_max)`` instead of being raised to
 
 Only the ``r×r`` Gram matrices need the inverse square root, and they are taken in batches of
 targets of one ``r``, so that the power iterations that set the floor run once per batch instead of
-once per target (at rank 32 their small products cost more in calls than in arithmetic). On a CPU
-the root is a float64 eigendecomposition. On a GPU it is a coupled Newton–Schulz iteration in float64, matrix products
-only, over batches of targets of one ``r``: cuSOLVER's eigendecomposition of a 256×256 matrix takes
-about 2 ms and does not batch at that size, 0.11 s of GPU time per update for the 56 targets of an
-8-layer Qwen2.5-1.5B on an H200, against 0.47 s for the optimizer's whole step (docs/benchmarks.md,
-"On a GPU"). The two paths are built to compute one function, and ``tests/test_polar.py`` checks
-them against each other on the CPU (and gpu_check.py on a GPU).
+once per target (at small ranks their products cost more in calls than in arithmetic). On a CPU
+the root is a float64 eigendecomposition, in batches of at most 1 MiB of Gram matrices. On a GPU
+it is a coupled Newton–Schulz iteration in float64, matrix products only: cuSOLVER's
+eigendecomposition of a 256×256 matrix takes about 2 ms and does not batch at that size, 0.11 s of
+GPU time per update for the 56 targets of an 8-layer Qwen2.5-1.5B on an H200, against 0.47 s for
+the optimizer's whole step (docs/benchmarks.md, "On a GPU"). The two paths are built to compute
+one function, and ``tests/test_polar.py`` checks them against each other on the CPU (and
+gpu_check.py on a GPU).
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ METHODS = ("eigh", "newton-schulz")
 NEWTON_SCHULZ_TOLERANCE = 1e-9
 # Gram matrices per Newton–Schulz batch: 64 at r = 256. Its iterates hold a few copies of them.
 BATCH_BYTES = 32 * 2**20
+# Gram matrices per eigh batch (the CPU's): 128 at r = 32, where the power iterations' small products
+# cost more in calls than in arithmetic and a batch saves them; 2 at r = 256, where a batch would
+# save nothing and hold more memory (its eigenvectors and roots beside the Gram matrices).
+EIGH_BATCH_BYTES = 2**20
 POWER_ITERATIONS = 32
 
 
@@ -88,14 +93,15 @@ def orthogonal_directions(
 
 
 def _chunks(numerators: Sequence[torch.Tensor], experts: Sequence[int], method: str | None):
-    """Targets in batches of one device and one ``r`` of up to :data:`BATCH_BYTES` of Gram matrices
-    (Newton–Schulz's iterates are a few copies of them), with the method for each."""
+    """Targets in batches of one device and one ``r``, with the method for each: up to
+    :data:`BATCH_BYTES` of Gram matrices for Newton–Schulz (its iterates are a few copies of them),
+    :data:`EIGH_BATCH_BYTES` for eigh."""
     groups: dict[tuple, list[int]] = {}
     for index, numerator in enumerate(numerators):
         groups.setdefault((numerator.device, numerator.shape[-1]), []).append(index)
     for (device, r), indices in groups.items():
         chosen = method or ("newton-schulz" if device.type == "cuda" else "eigh")
-        budget = max(1, BATCH_BYTES // (r * r * 8))
+        budget = max(1, (BATCH_BYTES if chosen == "newton-schulz" else EIGH_BATCH_BYTES) // (r * r * 8))
         chunk, blocks = [], 0
         for index in indices:
             if chunk and blocks + experts[index] > budget:

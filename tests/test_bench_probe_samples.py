@@ -91,6 +91,7 @@ def test_the_table_shows_failed_runs():
             "task": "addition",
             "steps": 2,
             "batch_size": 32,
+            "accumulation": 2,
             "rank": 32,
             "kl_budget": 0.01,
             "direction": "orthogonal",

@@ -203,6 +203,29 @@ def test_demo_learning_rates_default_to_the_policys():
         demo.DemoSettings(output="", policy="huge")
 
 
+def test_demo_batch_budget_and_rates_from_the_command_line(tmp_path):
+    """By default an update is 2 microbatches at LoGRA's budget 3e-3; ``--quick`` keeps one
+    microbatch at the budget swept for it; explicit values win either way, and each AdamW method's
+    rate reaches its own setting."""
+    import argparse
+
+    from logra_optim.cli import demo
+
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+
+    def settings(*argv):
+        return demo.settings_from(parser.parse_args([*argv, "--output", str(tmp_path)]), parser)
+
+    default, quick = settings(), settings("--quick")
+    assert (default.accumulation, default.kl_budget, default.steps) == (2, 3e-3, 100)
+    assert (quick.accumulation, quick.kl_budget, quick.steps, quick.policy) == (1, demo.QUICK_KL_BUDGET, 60, "tiny")
+    chosen = settings("--quick", "--accumulation", "3", "--kl-budget", "2e-3")
+    assert (chosen.accumulation, chosen.kl_budget) == (3, 2e-3)
+    rates = settings("--adamw-lr", "2e-5", "--adamw-targets-lr", "7e-5")
+    assert (rates.learning_rate("adamw"), rates.learning_rate("adamw-targets")) == (2e-5, 7e-5)
+
+
 def test_addition_answers_are_the_sums():
     for problem in tasks.make_problems("addition", 100, digits=3, style="text", seed=0):
         left, right = problem.prompt.rstrip("=").split("+")

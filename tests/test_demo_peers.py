@@ -301,10 +301,6 @@ def test_demo_worker_accumulates_microbatches_into_one_update(warm_settings, mon
     TRL's trainer) before one optimizer step, and the run still makes ``steps`` updates."""
     import trl
 
-    parser = argparse.ArgumentParser()
-    demo.add_arguments(parser)
-    argv = ["--accumulation", "2", "--output", str(tmp_path)]
-    assert demo.settings_from(parser.parse_args(argv), parser).accumulation == 2
     passes = []
     training_step = trl.GRPOTrainer.training_step
     monkeypatch.setattr(

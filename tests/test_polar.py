@@ -169,8 +169,9 @@ def test_only_the_blocks_that_do_not_converge_go_to_eigh(monkeypatch):
 
 @pytest.mark.parametrize("method", polar.METHODS)
 def test_batches_are_bounded_and_equal_one_batch(monkeypatch, method):
-    """Targets beyond ``BATCH_BYTES`` of Gram matrices go in several batches, with the same result
-    (and eigh batches too: its power iterations run once per batch, not once per target)."""
+    """Targets beyond a batch's bytes of Gram matrices (``BATCH_BYTES``, ``EIGH_BATCH_BYTES``) go in
+    several batches, with the same result (eigh batches too: its power iterations run once per
+    batch, not once per target)."""
     generator = torch.Generator().manual_seed(6)
     numerators = [torch.randn(30, 8, generator=generator) for _ in range(7)]
     sizes = []
@@ -178,8 +179,8 @@ def test_batches_are_bounded_and_equal_one_batch(monkeypatch, method):
     monkeypatch.setattr(polar, "regularised_inverse_sqrt", lambda g, *a: sizes.append(g.shape[0]) or original(g, *a))
     together = orthogonal_directions(numerators, method=method)
     assert sizes == [7]
-    monkeypatch.setattr(polar, "BATCH_BYTES", 3 * 8 * 8 * 8)  # three 8×8 float64 matrices
-    chunked = orthogonal_directions(numerators, method=method)
+    monkeypatch.setattr(polar, "BATCH_BYTES" if method == "newton-schulz" else "EIGH_BATCH_BYTES", 3 * 8 * 8 * 8)
+    chunked = orthogonal_directions(numerators, method=method)  # three 8×8 float64 matrices a batch
     assert sizes == [7, 3, 3, 1]
     for a, b in zip(together, chunked):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)

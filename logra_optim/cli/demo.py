@@ -82,6 +82,9 @@ EVAL_PROBLEMS = 256
 PROBE_DTYPES = ("auto", "float32", "bfloat16")  # --probe-dtype
 EVAL_SEED = 65_535  # training draws use seeds 0…, 10 000 + seed (warm start) and 20 000 (validation)
 
+# --quick keeps one microbatch of 32 completions per update, and the KL budget the sweep chose for it.
+QUICK_KL_BUDGET = 1e-3
+
 
 @dataclass
 class DemoSettings:
@@ -91,7 +94,7 @@ class DemoSettings:
     task: str = "addition"
     digits: int = 1
     # 100 updates of 2 microbatches of 32 completions (below): the completions of the former 200
-    # updates of one microbatch, in about the same time. An update of one microbatch of 3-token
+    # updates of one microbatch, in less time (generation runs 64 at once). An update of one microbatch of 3-token
     # completions reads so few tokens that the costs that do not grow with them (AdamW's step;
     # LoGRA's probe, directions and merge) decided the time per update (docs/benchmarks.md, "The
     # demo"); RL trainers accumulate many microbatches per update.
@@ -99,7 +102,7 @@ class DemoSettings:
     rank: int = 32
     # KL per update, and a first moment over a projection kept for 10 updates: a GRPO batch is mostly
     # noise, and without averaging each update spent its whole budget on it. Chosen by an equal sweep
-    # on seed 0 (docs/benchmarks.md): 3e-3 with 64 completions per update, 1e-3 with 32.
+    # on seed 0 (docs/benchmarks.md): 3e-3 with 64 completions per update, 1e-3 with 32 (--quick's).
     kl_budget: float = 3e-3
     # The relative step before KL control scales it; the default 6e-5 is for billion-parameter
     # models and would cap α (at alpha_max) long before this tiny one reaches the budget.
@@ -227,7 +230,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"gradient accumulation; default {defaults.accumulation}, or 1 with --quick",
     )
     parser.add_argument("--rank", type=positive_int, default=defaults.rank, help="LoGRA sketch rank")
-    parser.add_argument("--kl-budget", type=positive_float, default=defaults.kl_budget, help="LoGRA KL per update")
+    parser.add_argument(
+        "--kl-budget",
+        type=positive_float,
+        default=None,
+        help=f"LoGRA's KL per update; default {defaults.kl_budget:g}, or {QUICK_KL_BUDGET:g} with --quick (32 "
+        "completions per update)",
+    )
     parser.add_argument(
         "--probe-samples",
         type=positive_int,
@@ -357,7 +366,7 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         steps=args.steps,
         accumulation=args.accumulation or (1 if args.quick else DemoSettings.accumulation),
         rank=args.rank,
-        kl_budget=args.kl_budget,
+        kl_budget=args.kl_budget or (QUICK_KL_BUDGET if args.quick else DemoSettings.kl_budget),
         probe_samples=args.probe_samples,
         probe_dtype=args.probe_dtype,
         beta1=args.beta1,
