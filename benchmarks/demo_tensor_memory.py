@@ -71,14 +71,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     rows = []
     for method in args.methods:
-        spec = dict(
-            output=args.output,
-            seed=args.seed,
-            steps=args.steps,
-            method=method,
-            accumulation=args.accumulation,
-            kl_budget=args.kl_budget,
-        )
+        spec = {**vars(args), "method": method}  # output, seed, steps, accumulation, kl_budget
         rows.append(run_fresh(worker, spec, label=f"tensor memory ({method})"))
     adamw = next((r for r in rows if r["method"] == "adamw"), None)
     print("| method | weights MiB | tensor peak MiB | tensor peak / dense AdamW's |")
