@@ -82,7 +82,8 @@ EVAL_PROBLEMS = 256
 PROBE_DTYPES = ("auto", "float32", "bfloat16")  # --probe-dtype
 EVAL_SEED = 65_535  # training draws use seeds 0…, 10 000 + seed (warm start) and 20 000 (validation)
 
-# --quick keeps one microbatch of 32 completions per update, and the KL budget the sweep chose for it.
+# --quick keeps one microbatch of 32 completions per update, and the KL budget the medium policy's
+# sweep chose for that batch (the tiny policy's was not swept at it).
 QUICK_KL_BUDGET = 1e-3
 
 
@@ -102,7 +103,7 @@ class DemoSettings:
     rank: int = 32
     # KL per update, and a first moment over a projection kept for 10 updates: a GRPO batch is mostly
     # noise, and without averaging each update spent its whole budget on it. Chosen by an equal sweep
-    # on seed 0 (docs/benchmarks.md): 3e-3 with 64 completions per update, 1e-3 with 32 (--quick's).
+    # on seed 0 (docs/benchmarks.md): 3e-3 with 64 completions per update, 1e-3 with 32.
     kl_budget: float = 3e-3
     # The relative step before KL control scales it; the default 6e-5 is for billion-parameter
     # models and would cap α (at alpha_max) long before this tiny one reaches the budget.
