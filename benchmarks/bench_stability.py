@@ -1,8 +1,8 @@
 """Long-run stability of LoGRA with KL control: GRPO for 1,000+ updates on the ``logra demo`` task.
 
 One LoGRA run per seed on the demo's task, warm start and settings (``--policy``, default tiny;
-``attach_logra`` with the demo's rank and ``update_ratio``, KL budget 1e-3 unless ``--kl-budget``) with the realised-KL check
-on: after each merge the KL on the probe contexts is measured, and an update that misses the budget
+``attach_logra`` with the demo's rank and ``update_ratio``, KL budget 1e-3 unless ``--kl-budget``)
+with the realised-KL check on: after each merge the KL on the probe contexts is measured, and an update that misses the budget
 by more than 10% is undone and redone with a rescaled α (at most 3 times). Three things are
 checked and reported per seed:
 
