@@ -2,9 +2,9 @@
 
 One LoGRA run per seed on the demo's task, warm start and settings (``--policy``, default tiny;
 ``attach_logra`` with the demo's rank and ``update_ratio``, KL budget 1e-3 unless ``--kl-budget``)
-with the realised-KL check on: after each merge the KL on the probe contexts is measured, and an update that misses the budget
-by more than 10% is undone and redone with a rescaled α (at most 3 times). Three things are
-checked and reported per seed:
+with the realised-KL check on: after each merge the KL on the probe contexts is measured, and an
+update that misses the budget by more than 10% is undone and redone with a rescaled α (at most 3
+times). Three things are checked and reported per seed:
 
 * **no collapse**: the sampled training reward of the last window is not below the best window by
   more than ``--collapse-tolerance``;
