@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from logra_optim.cli import demo
+from logra_optim.cli.arguments import positive_float, positive_int
 from logra_optim.cli.measure import MIB
 from logra_optim.cli.runner import run_fresh
 
@@ -66,8 +67,10 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--methods", nargs="+", default=list(demo.DEFAULT_METHODS), choices=demo.METHODS)
     defaults = demo.DemoSettings(output="")
-    parser.add_argument("--accumulation", type=int, default=defaults.accumulation, help="microbatches per update")
-    parser.add_argument("--kl-budget", type=float, default=defaults.kl_budget, help="LoGRA's KL per update")
+    parser.add_argument(
+        "--accumulation", type=positive_int, default=defaults.accumulation, help="microbatches per update"
+    )
+    parser.add_argument("--kl-budget", type=positive_float, default=defaults.kl_budget, help="LoGRA's KL per update")
     args = parser.parse_args(argv)
     rows = []
     for method in args.methods:

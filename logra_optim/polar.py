@@ -8,7 +8,7 @@ its rounding noise become ``≈ σ / (floor σ_max)`` instead of being raised to
 Only the ``r×r`` Gram matrices need the inverse square root, and they are taken in batches of
 targets of one ``r``, so that the power iterations that set the floor run once per batch instead of
 once per target (at small ranks their products cost more in calls than in arithmetic). On a CPU
-the root is a float64 eigendecomposition, in batches of at most 1 MiB of Gram matrices. On a GPU
+the root is a float64 eigendecomposition, in batches of at most 512 KiB of Gram matrices. On a GPU
 it is a coupled Newton–Schulz iteration in float64, matrix products only: cuSOLVER's
 eigendecomposition of a 256×256 matrix takes about 2 ms and does not batch at that size, 0.11 s of
 GPU time per update for the 56 targets of an 8-layer Qwen2.5-1.5B on an H200, against 0.47 s for
@@ -36,10 +36,11 @@ METHODS = ("eigh", "newton-schulz")
 NEWTON_SCHULZ_TOLERANCE = 1e-9
 # Gram matrices per Newton–Schulz batch: 64 at r = 256. Its iterates hold a few copies of them.
 BATCH_BYTES = 32 * 2**20
-# Gram matrices per eigh batch (the CPU's): 128 at r = 32, where the power iterations' small products
-# cost more in calls than in arithmetic and a batch saves them; 2 at r = 256, where a batch would
-# save nothing and hold more memory (its eigenvectors and roots beside the Gram matrices).
-EIGH_BATCH_BYTES = 2**20
+# Gram matrices per eigh batch (the CPU's): 64 at r = 32, where the power iterations' small products
+# cost more in calls than in arithmetic and a batch saves them; 1 from r = 256 on, where a batch saves
+# little and its targets' second float64 copy (for the product) costs more (about 2% of the
+# directions' time at the h1024 shape, docs/benchmarks.md).
+EIGH_BATCH_BYTES = 2**19
 POWER_ITERATIONS = 32
 
 

@@ -95,10 +95,10 @@ class DemoSettings:
     task: str = "addition"
     digits: int = 1
     # 100 updates of 2 microbatches of 32 completions (below): the completions of the former 200
-    # updates of one microbatch, in less time (generation runs 64 at once). An update of one microbatch of 3-token
-    # completions reads so few tokens that the costs that do not grow with them (AdamW's step;
-    # LoGRA's probe, directions and merge) decided the time per update (docs/benchmarks.md, "The
-    # demo"); RL trainers accumulate many microbatches per update.
+    # updates of one microbatch, in less time (generation runs 64 at once). An update of one
+    # microbatch of 3-token completions reads so few tokens that the costs that do not grow with them
+    # (AdamW's step; LoGRA's probe, directions and merge) decided the time per update
+    # (docs/benchmarks.md, "The demo"); RL trainers accumulate many microbatches per update.
     steps: int = 100
     rank: int = 32
     # KL per update, and a first moment over a projection kept for 10 updates: a GRPO batch is mostly
