@@ -529,9 +529,25 @@ def test_bench_with_kl_control_on_a_subset_of_positions_and_words(tmp_path):
     from logra_optim.cli.bench import make_optimizer
 
     data = run_tiny_bench(
-        tmp_path, "logra-rowadam", "--kl-budget", "1e-3", "--probe-positions", "5", "--probe-words", "8"
+        tmp_path,
+        "adamw,logra-rowadam",
+        "--kl-budget",
+        "1e-3",
+        "--probe-positions",
+        "5",
+        "--probe-words",
+        "8",
+        "--detail",
     )
     assert data["meta"]["probe_positions"] == 5 and data["meta"]["probe_words"] == 8
+    # --detail: the probe's part of LoGRA's optimizer step (from its stats), none for AdamW.
+    adamw, logra = data["results"]
+    assert adamw["probe_s"] is None and 0 < logra["probe_s"] < logra["optimizer_s"]
+    header, adamw_row, logra_row = (
+        line for line in (tmp_path / "bench.md").read_text().splitlines() if line.startswith("| ")
+    )
+    column = header.split(" | ").index("of it probe s")
+    assert adamw_row.split(" | ")[column] == "—" and logra_row.split(" | ")[column] == f"{logra['probe_s']:.3f}"
     _, optimizer = make_optimizer(
         build_tiny_model(bench_preset("tiny")), "logra-rowadam", 4, 1e-3, probe_positions=5, probe_words=8
     )

@@ -207,7 +207,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", type=device, default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument(
-        "--detail", action="store_true", help="also tabulate the fastest step, the optimizer part and absolute peaks"
+        "--detail",
+        action="store_true",
+        help="also tabulate the fastest step, the optimizer part (with LoGRA's KL probe in it) and absolute peaks",
     )
     parser.add_argument("--output", type=writable_dir, default="logra-bench", help="directory for JSON, table, PNG")
 
@@ -403,7 +405,7 @@ def run_worker(spec: dict) -> dict:
     model, optimizer = spec_optimizer(build_model(spec, device), spec, spec["rank"])
     generator = torch.Generator().manual_seed(1)
     input_ids = torch.randint(0, model.config.vocab_size, (spec["batch"], spec["seq"]), generator=generator).to(device)
-    steps, optimizer_parts = [], []
+    steps, optimizer_parts, probe_parts = [], [], []
     for step in range(spec["warmup"] + spec["runs"]):
         synchronize(device)
         start = time.perf_counter()
@@ -413,11 +415,13 @@ def run_worker(spec: dict) -> dict:
         if step >= spec["warmup"]:
             steps.append(end - start)
             optimizer_parts.append(end - middle)
+            probe_parts.append(probe_seconds(optimizer))
     peak = peak_memory(device)
     files_after = resident_file_bytes() if files_before is not None else None
     return {
         "step_s": steps,
         "optimizer_s": optimizer_parts,
+        "probe_s": None if None in probe_parts else probe_parts,
         "peak_bytes": peak - baseline,
         "peak_abs_bytes": peak,
         "state_bytes": state_bytes(optimizer),
@@ -434,6 +438,15 @@ def run_worker(spec: dict) -> dict:
         "experts": getattr(model.config, "num_experts", None) or 0,
         "top_k": getattr(model.config, "num_experts_per_tok", None) or 0,
     }
+
+
+def probe_seconds(optimizer) -> float | None:
+    """The part of the last ``step()`` LoGRA's KL probe took (its ``stats["probe_seconds"]``, a host
+    clock: on CUDA it also counts GPU work queued before the probe that the probe waited for);
+    ``None`` for other optimizers and for LoGRA without KL control."""
+    if not isinstance(optimizer, LoGRAOptimizer):
+        return None
+    return optimizer.stats.get("probe_seconds")
 
 
 def state_bytes(optimizer) -> int:
@@ -495,6 +508,9 @@ def summarize(config: Configuration, samples: list[dict]) -> dict:
         "step_s": statistics.median(steps),
         "step_min_s": min(steps),
         "optimizer_s": statistics.median(t for sample in samples for t in sample["optimizer_s"]),
+        "probe_s": None
+        if any(sample["probe_s"] is None for sample in samples)
+        else statistics.median(t for sample in samples for t in sample["probe_s"]),
         "step_times_s": steps,
         "peak_bytes": max(s["peak_bytes"] for s in samples),
         "peak_abs_bytes": max(s["peak_abs_bytes"] for s in samples),
@@ -525,12 +541,14 @@ def above_floor(results: list[dict]) -> dict[str, float] | None:
 
 def table(results: list[dict], detail: bool = False) -> tuple[list[str], list[list[str]]]:
     """Headers and cells shared by the console and markdown tables: ratios to each reference that
-    ran; with ``detail`` also the fastest step, the optimizer part and the absolute peak."""
+    ran; with ``detail`` also the fastest step, the optimizer part (and of it LoGRA's KL probe, where
+    one ran) and the absolute peak."""
     references = {name: r for name in REFERENCES for r in results if r["method"] == name}
     excess = above_floor(results)
+    probed = detail and any(r.get("probe_s") is not None for r in results)
     headers = ["method", "trained params", "peak GiB", "step s (median)"]
     if detail:
-        headers += ["step s (min)", "optimizer s (median)", "peak abs GiB"]
+        headers += ["step s (min)", "optimizer s (median)"] + (["of it probe s"] if probed else []) + ["peak abs GiB"]
     for name in references:
         headers += [f"memory / {REFERENCES[name]}", f"time / {REFERENCES[name]}"]
         headers += [f"min time / {REFERENCES[name]}"] if detail else []
@@ -539,7 +557,9 @@ def table(results: list[dict], detail: bool = False) -> tuple[list[str], list[li
     for r in results:
         row = [r["label"], f"{r['trained_params'] / 1e6:.2f} M", f"{r['peak_bytes'] / GIB:.3f}", f"{r['step_s']:.3f}"]
         if detail:
-            row += [f"{r['step_min_s']:.3f}", f"{r['optimizer_s']:.3f}", f"{r['peak_abs_bytes'] / GIB:.3f}"]
+            row += [f"{r['step_min_s']:.3f}", f"{r['optimizer_s']:.3f}"]
+            row += ["—" if r.get("probe_s") is None else f"{r['probe_s']:.3f}"] if probed else []
+            row += [f"{r['peak_abs_bytes'] / GIB:.3f}"]
         for base in references.values():
             row += [ratio(r["peak_bytes"], base["peak_bytes"]), ratio(r["step_s"], base["step_s"])]
             row += [ratio(r["step_min_s"], base["step_min_s"])] if detail else []
