@@ -379,7 +379,7 @@ def test_bench_peers_floor_and_accumulation(tmp_path):
     microbatches per step, in workers whose glibc mmap threshold is fixed; each method's state and
     its peak above the floor plus that state."""
     methods = "adamw,apollo,apollo-mini,flora,frozen,logra-rowadam"
-    data = run_tiny_bench(tmp_path, methods, "--accumulation", "2", "--malloc-threshold", "fixed")
+    data = run_tiny_bench(tmp_path, methods, "--accumulation", "2", "--malloc-threshold", "fixed", "--detail")
     labels = [r["label"] for r in data["results"]]
     assert labels == ["adamw", "apollo r=8", "apollo-mini r=1", "flora r=8", "frozen", "logra-rowadam r=8"]
     by_label = {r["label"]: r for r in data["results"]}
@@ -407,6 +407,9 @@ def test_bench_peers_floor_and_accumulation(tmp_path):
     row = next(line for line in (tmp_path / "bench.md").read_text().splitlines() if line.startswith("| logra"))
     assert row.endswith(f"| {logra['state_bytes'] / 2**30:.3f} | {100 * share:.1f}% |")
     assert "| frozen |" in (tmp_path / "bench.md").read_text() and "| floor |" in (tmp_path / "bench.md").read_text()
+    # --detail without KL control: the fastest step and the optimizer part, no probe column.
+    assert "step s (min)" in (tmp_path / "bench.md").read_text()
+    assert "probe" not in (tmp_path / "bench.md").read_text() and all(r["probe_s"] is None for r in data["results"])
 
 
 @pytest.mark.parametrize("method", ["galore", "apollo"])
@@ -507,6 +510,14 @@ def test_above_floor_subtracts_the_floor_and_each_state():
     assert above_floor(results) == {"adamw": 0.3, "logra-orthogonal": 0.01}
     assert above_floor(results[1:]) is None  # no dense AdamW to divide by
     assert above_floor([results[0], results[2]]) is None  # no floor
+
+
+def test_probe_time_is_the_median_over_the_steps_that_probed():
+    """A skipped update has no probe time; it neither counts nor hides the others'."""
+    from logra_optim.cli.bench import median_probe_seconds
+
+    assert median_probe_seconds([{"probe_s": [0.5, None, 0.9]}, {"probe_s": [0.6]}]) == 0.6
+    assert median_probe_seconds([{"probe_s": None}, {"probe_s": [None]}]) is None  # no step probed
 
 
 def test_bench_with_kl_control_and_a_bf16_probe(tmp_path, capsys):

@@ -421,7 +421,7 @@ def run_worker(spec: dict) -> dict:
     return {
         "step_s": steps,
         "optimizer_s": optimizer_parts,
-        "probe_s": None if None in probe_parts else probe_parts,
+        "probe_s": None if all(t is None for t in probe_parts) else probe_parts,
         "peak_bytes": peak - baseline,
         "peak_abs_bytes": peak,
         "state_bytes": state_bytes(optimizer),
@@ -443,7 +443,7 @@ def run_worker(spec: dict) -> dict:
 def probe_seconds(optimizer) -> float | None:
     """The part of the last ``step()`` LoGRA's KL probe took (its ``stats["probe_seconds"]``, a host
     clock: on CUDA it also counts GPU work queued before the probe that the probe waited for);
-    ``None`` for other optimizers and for LoGRA without KL control."""
+    ``None`` for other optimizers, for LoGRA without KL control and for a skipped update."""
     if not isinstance(optimizer, LoGRAOptimizer):
         return None
     return optimizer.stats.get("probe_seconds")
@@ -508,9 +508,7 @@ def summarize(config: Configuration, samples: list[dict]) -> dict:
         "step_s": statistics.median(steps),
         "step_min_s": min(steps),
         "optimizer_s": statistics.median(t for sample in samples for t in sample["optimizer_s"]),
-        "probe_s": None
-        if any(sample["probe_s"] is None for sample in samples)
-        else statistics.median(t for sample in samples for t in sample["probe_s"]),
+        "probe_s": median_probe_seconds(samples),
         "step_times_s": steps,
         "peak_bytes": max(s["peak_bytes"] for s in samples),
         "peak_abs_bytes": max(s["peak_abs_bytes"] for s in samples),
@@ -523,6 +521,12 @@ def summarize(config: Configuration, samples: list[dict]) -> dict:
         "trained_params": samples[0]["trained_params"],
         "total_params": samples[0]["total_params"],
     }
+
+
+def median_probe_seconds(samples: list[dict]) -> float | None:
+    """The median probe time over the timed steps that probed (a skipped update has none)."""
+    probed = [t for sample in samples for t in sample["probe_s"] or () if t is not None]
+    return statistics.median(probed) if probed else None
 
 
 def above_floor(results: list[dict]) -> dict[str, float] | None:

@@ -46,7 +46,7 @@ for step in range(3):
     optimizer.zero_grad()
 print(f"probe_seconds of the profiled step: {optimizer.stats['probe_seconds']:.3f}")
 table = profiles[0].key_averages(group_by_input_shape=True)
-print(table.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=24, max_shapes_column_width=60))
+print(table.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=24, max_shapes_column_width=60))
 
 model.eval()
 with torch.no_grad():
