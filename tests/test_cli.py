@@ -517,7 +517,7 @@ def test_probe_time_is_the_median_over_the_steps_that_probed():
     from logra_optim.cli.bench import median_probe_seconds
 
     assert median_probe_seconds([{"probe_s": [0.5, None, 0.9]}, {"probe_s": [0.6]}]) == 0.6
-    assert median_probe_seconds([{"probe_s": None}, {"probe_s": [None]}]) is None  # no step probed
+    assert median_probe_seconds([{"probe_s": [None, None]}, {"probe_s": [None]}]) is None  # no step probed
 
 
 def test_bench_with_kl_control_and_a_bf16_probe(tmp_path, capsys):

@@ -421,7 +421,7 @@ def run_worker(spec: dict) -> dict:
     return {
         "step_s": steps,
         "optimizer_s": optimizer_parts,
-        "probe_s": None if all(t is None for t in probe_parts) else probe_parts,
+        "probe_s": probe_parts,
         "peak_bytes": peak - baseline,
         "peak_abs_bytes": peak,
         "state_bytes": state_bytes(optimizer),
@@ -525,7 +525,7 @@ def summarize(config: Configuration, samples: list[dict]) -> dict:
 
 def median_probe_seconds(samples: list[dict]) -> float | None:
     """The median probe time over the timed steps that probed (a skipped update has none)."""
-    probed = [t for sample in samples for t in sample["probe_s"] or () if t is not None]
+    probed = [t for sample in samples for t in sample["probe_s"] if t is not None]
     return statistics.median(probed) if probed else None
 
 
@@ -549,7 +549,7 @@ def table(results: list[dict], detail: bool = False) -> tuple[list[str], list[li
     one ran) and the absolute peak."""
     references = {name: r for name in REFERENCES for r in results if r["method"] == name}
     excess = above_floor(results)
-    probed = detail and any(r.get("probe_s") is not None for r in results)
+    probed = detail and any(r["probe_s"] is not None for r in results)
     headers = ["method", "trained params", "peak GiB", "step s (median)"]
     if detail:
         headers += ["step s (min)", "optimizer s (median)"] + (["of it probe s"] if probed else []) + ["peak abs GiB"]
@@ -562,7 +562,7 @@ def table(results: list[dict], detail: bool = False) -> tuple[list[str], list[li
         row = [r["label"], f"{r['trained_params'] / 1e6:.2f} M", f"{r['peak_bytes'] / GIB:.3f}", f"{r['step_s']:.3f}"]
         if detail:
             row += [f"{r['step_min_s']:.3f}", f"{r['optimizer_s']:.3f}"]
-            row += ["—" if r.get("probe_s") is None else f"{r['probe_s']:.3f}"] if probed else []
+            row += ["—" if r["probe_s"] is None else f"{r['probe_s']:.3f}"] if probed else []
             row += [f"{r['peak_abs_bytes'] / GIB:.3f}"]
         for base in references.values():
             row += [ratio(r["peak_bytes"], base["peak_bytes"]), ratio(r["step_s"], base["step_s"])]
