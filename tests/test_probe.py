@@ -351,13 +351,37 @@ def test_word_draws_are_a_stream_apart_from_the_positions_draw(update):
     assert torch.equal(words, probe.word_uniforms(40, 2, update).flatten())  # reproducible
 
 
+@given(
+    rows=st.integers(1, 9),
+    words=st.integers(1, 6),
+    hidden=st.integers(1, 5),
+    chunk_rows=st.integers(1, 10),
+    seed=st.integers(0, 2**16),
+)
+def test_word_tangents_are_the_tangent_logits_at_the_words(rows, words, hidden, chunk_rows, seed):
+    """Every chunking of the gather (``chunk_rows`` positions, the last one short) gives
+    ``(ḣ Wᵀ)[s, indices[s]]``, against a float64 reference."""
+    generator = torch.Generator().manual_seed(seed)
+    vocabulary = 7
+    weight = torch.randn(vocabulary, hidden, generator=generator)
+    tangent = torch.randn(rows, hidden, generator=generator)
+    indices = torch.randint(0, vocabulary, (rows, words), generator=generator)
+    expected = (tangent.double() @ weight.double().T).gather(1, indices)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(probe, "WORD_GATHER_BYTES", chunk_rows * words * hidden * 4)
+        got = probe.word_tangents(tangent, weight, indices)
+    assert got.dtype == weight.dtype and got.shape == (rows, words)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_sampled_words_do_not_depend_on_the_head_chunks(fitted_model, monkeypatch):
     """The uniforms are drawn for every position at once, so several chunks of the head (and of
     the gathered rows) give each position the same words and the same terms as one chunk."""
     model, opt, targets, factors, contexts = _sketched_probe_inputs(fitted_model, direction="sgd")
     one, _, _ = jvp_predicted_kl(model, targets, factors, contexts, keep_base=False, words=8, seed=3)
     monkeypatch.setattr(probe, "HEAD_CHUNK_POSITIONS", 3)  # 6-position chunks without the tangent half
-    monkeypatch.setattr(probe, "HEAD_CHUNK_LOGITS", 8 * 64 * 2)  # 2 positions' gathered rows at a time
+    # 2 positions' gathered rows at a time (8 words of fp32 hidden states)
+    monkeypatch.setattr(probe, "WORD_GATHER_BYTES", 2 * 8 * model.config.hidden_size * 4)
     several, _, _ = jvp_predicted_kl(model, targets, factors, contexts, keep_base=False, words=8, seed=3)
     assert contexts.tokens > 6
     assert float(several) == pytest.approx(float(one), rel=1e-12)
