@@ -553,10 +553,13 @@ def word_uniforms(positions: int, draws: int, seed: int) -> torch.Tensor:
     return torch.rand(positions, draws, generator=generator, dtype=torch.float64)
 
 
-# Bytes of head rows word_tangents gathers at a time (16 positions of 64 fp32 words at 1024 hidden
-# units): one buffer, reused for every chunk and small enough to stay in cache for the product that
-# reads it. Gathering a chunk of logits' worth (32 MiB) into a fresh tensor each time cost 2.3× as
-# much on a 2-core AMD EPYC: an allocation that size is mapped anew and faulted in page by page.
+# Bytes of head rows word_tangents gathers at a time on a CPU (16 positions of 64 fp32 words at 1024
+# hidden units): one buffer, reused for every chunk and small enough to stay in cache for the
+# product that reads it. Gathering a chunk of logits' worth (32 MiB) into a fresh tensor each time
+# took 2.1-2.6x as long at the h1024 probe's shape on a 2-core AMD EPYC (word_gather_micro.py in
+# benchmarks/results/bench-h1024-acc4-kl-epyc/): an allocation that size is mapped anew and faulted
+# in page by page. Elsewhere (CUDA's caching allocator reuses its blocks, and each chunk is two
+# kernel launches) the chunks stay a chunk of logits' worth, HEAD_CHUNK_LOGITS.
 WORD_GATHER_BYTES = 1 << 22
 
 
@@ -567,7 +570,8 @@ def word_tangents(tangent: torch.Tensor, weight: torch.Tensor, indices: torch.Te
     hidden = weight.shape[1]
     out = tangent.new_empty((rows, words), dtype=weight.dtype)
     tangent = tangent.to(weight.dtype)
-    step = max(1, WORD_GATHER_BYTES // (words * hidden * weight.element_size()))
+    budget = WORD_GATHER_BYTES if weight.device.type == "cpu" else HEAD_CHUNK_LOGITS * weight.element_size()
+    step = max(1, budget // (words * hidden * weight.element_size()))
     gathered = weight.new_empty((min(step, rows) * words, hidden))
     for start in range(0, rows, step):
         chunk = indices[start : start + step].reshape(-1)
