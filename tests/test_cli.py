@@ -11,13 +11,15 @@ import statistics
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+import logra_optim
 from logra_optim import patch_model
 from logra_optim.patching import patched_modules
-from logra_optim.cli import build_parser, main, tasks
+from logra_optim.cli import build_parser, main, measure, tasks
 from logra_optim.cli import plan as plan_module
 from logra_optim.cli.runner import WorkerFailed, run_fresh
 from logra_optim.cli.shapes import PRESETS, Shape
@@ -372,6 +374,36 @@ def test_bench_on_the_tiny_preset(tmp_path):
     assert "no logra-rowadam row at rank 4" not in rowadam_plan.stdout  # --ranks 4 ran RowAdam
     sgd_plan = plan_against_the_bench("--rank", "4", "--direction", "sgd")
     assert "no logra-sgd row at rank 4" in sgd_plan.stdout
+
+
+def test_bench_records_the_code_it_ran(tmp_path):
+    """``bench.json`` names the library's version, torch's, and the commit of the checkout it was
+    imported from (with whether tracked files had changes), as git itself reports them."""
+    data = run_tiny_bench(tmp_path, "logra-sgd")
+    package = Path(logra_optim.__file__).resolve().parent
+    head = subprocess.run(["git", "-C", str(package), "rev-parse", "HEAD"], capture_output=True, text=True)
+    meta = data["meta"]
+    assert meta["version"] == logra_optim.__version__ and meta["torch"] == torch.__version__
+    assert meta["commit"] == (head.stdout.strip() if head.returncode == 0 else None)
+    assert isinstance(meta["dirty"], bool) if meta["commit"] else meta["dirty"] is None
+
+
+def test_source_revision_without_git_or_outside_a_checkout(monkeypatch, tmp_path):
+    """No git on the path, or a copy of the package that no checkout tracks: no commit, no guess."""
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: git is not found
+    assert measure.source_revision() == {
+        "version": logra_optim.__version__,
+        "torch": torch.__version__,
+        "commit": None,
+        "dirty": None,
+    }
+    monkeypatch.undo()
+    copy = tmp_path / "repository" / "logra_optim"
+    copy.mkdir(parents=True)
+    (copy / "__init__.py").write_text("")
+    subprocess.run(["git", "init", "-q", str(tmp_path / "repository")], check=True)
+    monkeypatch.setattr(logra_optim, "__file__", str(copy / "__init__.py"))
+    assert measure.source_revision()["commit"] is None  # inside a repository that does not track it
 
 
 def test_bench_peers_floor_and_accumulation(tmp_path):

@@ -98,6 +98,7 @@ from .measure import (
     reset_peak_rss,
     resident_file_bytes,
     resolve_device,
+    source_revision,
     synchronize,
 )
 from .peers import FIXED_RANKS, LOW_RANK_PEERS, lora_model, low_rank_optimizer, train_only_targets, trainable
@@ -708,6 +709,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
         "machine": platform.machine(),
         "skipped": skipped,
         "seconds": time.perf_counter() - started,
+        **source_revision(),
         **base_spec,
     }
     (output / "bench.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))

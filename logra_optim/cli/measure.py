@@ -16,7 +16,9 @@ import ctypes
 import math
 import resource
 import statistics
+import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -148,3 +150,28 @@ def spread(values: list[float]) -> dict[str, float] | None:
     if not finite:
         return None
     return {"median": statistics.median(finite), "p95": percentile_95(finite), "max": max(finite)}
+
+
+def source_revision() -> dict[str, str | bool | None]:
+    """What code a measurement ran: the library's version, torch's, and, when the library is
+    imported from a git checkout that tracks it, that checkout's commit and whether its tracked
+    files had uncommitted changes. ``commit`` and ``dirty`` are ``None`` otherwise (an installed
+    copy, even one inside some other repository; or no git)."""
+    import logra_optim
+
+    package = Path(logra_optim.__file__).resolve().parent
+    revision = {"version": logra_optim.__version__, "torch": torch.__version__, "commit": None, "dirty": None}
+
+    def git(*arguments: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(package), *arguments], capture_output=True, text=True, timeout=10)
+
+    try:
+        if git("ls-files", "--error-unmatch", "__init__.py").returncode != 0:
+            return revision  # not tracked here: not this package's checkout
+        head, status = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return revision
+    if head.returncode == 0:
+        revision["commit"] = head.stdout.strip()
+        revision["dirty"] = bool(status.stdout.strip()) if status.returncode == 0 else None
+    return revision
