@@ -332,9 +332,25 @@ def test_quick_demo_learns_and_reports(tmp_path):
         assert (tmp_path / image).read_bytes()[:8] == PNG_MAGIC
 
 
+def git_output(directory: Path, *arguments: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", str(directory), *arguments], capture_output=True, text=True)
+
+
 def test_bench_on_the_tiny_preset(tmp_path):
     methods = "adamw,lora,galore,logra-sgd,logra-rowadam,logra-orthogonal"
     data = run_tiny_bench(tmp_path, methods, "--ranks", "4", "--seq", "64")
+    # bench.json names the code that ran, as git itself reports it for the checkout that tracks the
+    # imported package (none where none does).
+    package = Path(logra_optim.__file__).resolve().parent
+    tracked = git_output(package, "ls-files", "--error-unmatch", "__init__.py").returncode == 0
+    meta = data["meta"]
+    assert meta["version"] == logra_optim.__version__ and meta["torch"] == torch.__version__
+    if tracked:
+        changes = git_output(package, "status", "--porcelain", "--untracked-files=no").stdout.strip()
+        assert meta["commit"] == git_output(package, "rev-parse", "HEAD").stdout.strip()
+        assert meta["dirty"] == bool(changes)
+    else:
+        assert meta["commit"] is None and meta["dirty"] is None
     labels = [r["label"] for r in data["results"]]
     assert labels == [
         "adamw",
@@ -376,34 +392,21 @@ def test_bench_on_the_tiny_preset(tmp_path):
     assert "no logra-sgd row at rank 4" in sgd_plan.stdout
 
 
-def test_bench_records_the_code_it_ran(tmp_path):
-    """``bench.json`` names the library's version, torch's, and the commit of the checkout it was
-    imported from (with whether tracked files had changes), as git itself reports them."""
-    data = run_tiny_bench(tmp_path, "logra-sgd")
-    package = Path(logra_optim.__file__).resolve().parent
-    head = subprocess.run(["git", "-C", str(package), "rev-parse", "HEAD"], capture_output=True, text=True)
-    meta = data["meta"]
-    assert meta["version"] == logra_optim.__version__ and meta["torch"] == torch.__version__
-    assert meta["commit"] == (head.stdout.strip() if head.returncode == 0 else None)
-    assert isinstance(meta["dirty"], bool) if meta["commit"] else meta["dirty"] is None
-
-
 def test_source_revision_without_git_or_outside_a_checkout(monkeypatch, tmp_path):
-    """No git on the path, or a copy of the package that no checkout tracks: no commit, no guess."""
-    monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: git is not found
-    assert measure.source_revision() == {
-        "version": logra_optim.__version__,
-        "torch": torch.__version__,
-        "commit": None,
-        "dirty": None,
-    }
-    monkeypatch.undo()
-    copy = tmp_path / "repository" / "logra_optim"
-    copy.mkdir(parents=True)
-    (copy / "__init__.py").write_text("")
-    subprocess.run(["git", "init", "-q", str(tmp_path / "repository")], check=True)
-    monkeypatch.setattr(logra_optim, "__file__", str(copy / "__init__.py"))
-    assert measure.source_revision()["commit"] is None  # inside a repository that does not track it
+    """No git on the path, or a copy of the package inside a repository (with a commit) that does
+    not track it: no commit, no guess."""
+    nothing = {"version": logra_optim.__version__, "torch": torch.__version__, "commit": None, "dirty": None}
+    with monkeypatch.context() as patch:
+        patch.setenv("PATH", str(tmp_path))  # an empty directory: git is not found
+        assert measure.source_revision() == nothing
+    repository = tmp_path / "repository"
+    (repository / "logra_optim").mkdir(parents=True)
+    (repository / "logra_optim" / "__init__.py").write_text("")
+    git_output(tmp_path, "init", "-q", str(repository)).check_returncode()
+    identity = ("-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false")
+    git_output(repository, *identity, "commit", "-q", "--allow-empty", "-m", "init").check_returncode()
+    monkeypatch.setattr(logra_optim, "__file__", str(repository / "logra_optim" / "__init__.py"))
+    assert measure.source_revision() == nothing  # HEAD exists, but the package is not tracked there
 
 
 def test_bench_peers_floor_and_accumulation(tmp_path):

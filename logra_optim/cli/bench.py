@@ -668,6 +668,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
 
     Path(args.output).mkdir(parents=True, exist_ok=True)
     samples: dict[Configuration, list[dict]] = {config: [] for config in configs}
+    revision = source_revision()  # before the runs: the workers import the code as it is now
     started = time.perf_counter()
     with Progress(console=console) as progress:
         bar = progress.add_task("benchmark", total=len(configs) * args.rounds)
@@ -709,7 +710,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
         "machine": platform.machine(),
         "skipped": skipped,
         "seconds": time.perf_counter() - started,
-        **source_revision(),
+        **revision,
         **base_spec,
     }
     (output / "bench.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import resource
 import statistics
 import subprocess
@@ -21,6 +22,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+import logra_optim
 
 MIB = 2**20
 GIB = 2**30
@@ -156,22 +159,37 @@ def source_revision() -> dict[str, str | bool | None]:
     """What code a measurement ran: the library's version, torch's, and, when the library is
     imported from a git checkout that tracks it, that checkout's commit and whether its tracked
     files had uncommitted changes. ``commit`` and ``dirty`` are ``None`` otherwise (an installed
-    copy, even one inside some other repository; or no git)."""
-    import logra_optim
+    copy, even one inside some other repository; no git; git failing or slow). Never raises: a
+    record of the code must not cost a run its results.
 
+    ``--no-optional-locks`` keeps ``git status`` from refreshing the index, which would take its
+    lock and could collide with the user's own git command in that checkout; the environment's
+    ``GIT_DIR`` and the like (set inside git hooks) would point ``-C`` at another repository."""
     package = Path(logra_optim.__file__).resolve().parent
     revision = {"version": logra_optim.__version__, "torch": torch.__version__, "commit": None, "dirty": None}
+    environment = {k: v for k, v in os.environ.items() if k not in ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE")}
 
-    def git(*arguments: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["git", "-C", str(package), *arguments], capture_output=True, text=True, timeout=10)
+    def git(*arguments: str) -> subprocess.CompletedProcess | None:
+        try:
+            return subprocess.run(
+                ["git", "--no-optional-locks", "-C", str(package), *arguments],
+                capture_output=True,
+                stdin=subprocess.DEVNULL,
+                encoding="utf-8",
+                errors="replace",
+                env=environment,
+                timeout=10,
+            )
+        except (OSError, ValueError, subprocess.SubprocessError):
+            return None
 
-    try:
-        if git("ls-files", "--error-unmatch", "__init__.py").returncode != 0:
-            return revision  # not tracked here: not this package's checkout
-        head, status = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
-    except (OSError, subprocess.SubprocessError):
+    tracked = git("ls-files", "--error-unmatch", "__init__.py")
+    if tracked is None or tracked.returncode != 0:
+        return revision  # no git, or not this package's checkout
+    head = git("rev-parse", "HEAD")
+    if head is None or head.returncode != 0:
         return revision
-    if head.returncode == 0:
-        revision["commit"] = head.stdout.strip()
-        revision["dirty"] = bool(status.stdout.strip()) if status.returncode == 0 else None
+    status = git("status", "--porcelain", "--untracked-files=no")
+    revision["commit"] = head.stdout.strip()
+    revision["dirty"] = None if status is None or status.returncode != 0 else bool(status.stdout.strip())
     return revision
