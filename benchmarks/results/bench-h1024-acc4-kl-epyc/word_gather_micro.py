@@ -7,22 +7,16 @@ Run from the repository root:
 """
 
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from logra_optim import probe
 
-
-def word_tangents_before(tangent, weight, indices):
-    rows, words = indices.shape
-    out = tangent.new_empty((rows, words), dtype=weight.dtype)
-    step = max(1, probe.HEAD_CHUNK_LOGITS // (words * weight.shape[1]))
-    for start in range(0, rows, step):
-        chunk = indices[start : start + step]
-        gathered = weight.index_select(0, chunk.reshape(-1)).view(*chunk.shape, weight.shape[1])
-        out[start : start + step] = torch.bmm(gathered, tangent[start : start + step, :, None].to(weight.dtype))[..., 0]
-    return out
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from word_gather_ab import word_tangents_before  # noqa: E402  (the gather before this change)
 
 
 def median_seconds(function, *args, calls=7):
