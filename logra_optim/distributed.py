@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .updates import MERGE_CHUNK_BYTES, merge_low_rank_, merge_transposed_experts_, stochastic_round_to_bf16
+from .updates import MERGE_CHUNK_BYTES, all_finite, merge_low_rank_, merge_transposed_experts_, stochastic_round_to_bf16
 
 REPLICATED, ROWS, FLAT = "replicated", "rows", "flat"
 
@@ -398,9 +398,15 @@ class DataParallel:
         sixteen_bit: bool = False,
     ) -> tuple[bool, list[float], bool]:
         """Average ``buffers`` over the ranks, then one all-gather of ``[fingerprint, non-finite flag,
-        16-bit flag, *sharded ‖W_i‖²]``: returns (finite on every rank, each sharded weight's
-        ``‖W_i‖²``, a 16-bit product on some rank: every rank then takes the same floor)."""
+        16-bit flag, *sharded ‖W_i‖²]``: returns (the averaged buffers and every rank's ``finite``
+        are finite, each sharded weight's ``‖W_i‖²``, a 16-bit product on some rank: every rank then
+        takes the same floor). ``finite``: this rank's other inputs (non-target gradients).
+
+        The buffers are checked after the average: one rank's NaN or inf reaches every rank's
+        average, and so does a sum that overflows. The flag goes through the all-gather all the same,
+        so that the ranks skip together whatever their checks saw."""
         average_(buffers, self.group)
+        finite = finite and all_finite(buffers)
         values = [fingerprint_of.value(), 0.0 if finite else 1.0, 1.0 if sixteen_bit else 0.0, *sharded_sq]
         gathered = gather_(values, self.group, self.device)
         self.check(fingerprint_of, gathered[:, 0])

@@ -42,6 +42,7 @@ from .sync import TargetUpdate, Update, rounding_seed
 from .target import Target
 from .polar import POLAR_FLOOR, POLAR_FLOOR_16BIT
 from .updates import (
+    all_finite,
     basis_change,
     carry_first_moment,
     low_rank_sq_norm,
@@ -704,9 +705,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         )
 
     def _synchronise(self) -> tuple[bool, list[float] | None, bool]:
-        """(every rank's sketches and non-target gradients are finite, each sharded weight's ``‖W_i‖²``
-        or ``None`` in one process, a 16-bit product went into a sketch on some rank), averaging the
-        sketches over the ranks on the way."""
+        """(the sketches, averaged over the ranks, and every rank's non-target gradients are finite,
+        each sharded weight's ``‖W_i‖²`` or ``None`` in one process, a 16-bit product went into a
+        sketch on some rank), averaging the sketches over the ranks on the way."""
         sixteen_bit = any(t.state.sketched_in_16_bit for t in self._targets)
         if self._ranks is None:
             return self._bank.all_finite() and self._local_all_finite(), None, sixteen_bit
@@ -725,7 +726,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             return True
         grads = [p.grad for g in self.non_target_optimizer.param_groups for p in g["params"] if p.grad is not None]
         grads = [grad.to_local() if dp.is_dtensor(grad) else grad for grad in grads]
-        return all(bool(torch.isfinite(grad).all()) for grad in grads)
+        return all_finite(grads)
 
     # ----------------------------------------------------------------------------------------------
     # Checkpointing

@@ -20,7 +20,7 @@ import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 
 from .projection import ProjectionSpec
-from .updates import gram
+from .updates import all_finite, gram
 
 # An autograd Function's output requires grad only if one of its inputs does. With the embeddings
 # frozen, the first patched layer's input may not, and then no backward would ever reach it. Passing
@@ -168,7 +168,7 @@ class SketchBank:
         return not any(bool(buffer.any()) for buffer in self.flat.values())
 
     def all_finite(self) -> bool:
-        return all(bool(torch.isfinite(buffer).all()) for buffer in self.flat.values())
+        return all_finite(self.flat.values())
 
 
 def generated(projections: Iterable[SharedProjection], dtype: torch.dtype = torch.float32) -> Iterator[torch.Tensor]:

@@ -9,7 +9,7 @@ references in the tests.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -193,6 +193,18 @@ def low_rank_sq_norm(factor: torch.Tensor, projection_gram: torch.Tensor) -> tor
     matrix ``A Aᵀ`` (:func:`gram`; it changes only when ``A`` is redrawn)."""
     factor_gram = factor.t().float() @ factor.float()
     return (factor_gram.double() * projection_gram.double()).sum()
+
+
+def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether every entry of every tensor is finite (empty tensors are).
+
+    One read of each tensor and two scalars out: ``aminmax`` propagates NaN, and ±inf is the
+    minimum or the maximum. ``isfinite(t).all()`` would write a boolean mask the size of ``t`` and
+    read it again: on every update, over every sketch."""
+    for tensor in tensors:
+        if tensor.numel() and not bool(torch.isfinite(torch.stack(torch.aminmax(tensor))).all()):
+            return False
+    return True
 
 
 def relative_step_size(update_ratio: float, weight_sq_norm: float, update_sq_norm: float) -> float:

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from logra_optim.updates import (
+    all_finite,
     basis_change,
     carry_first_moment,
     first_moment,
@@ -551,3 +552,24 @@ def test_next_directions_of_several_targets_equal_each_alone():
                 assert set(new_state) == set(alone_state)
     with pytest.raises(ValueError, match="direction must be one of rowadam, orthogonal, sgd, got 'adam'"):
         next_directions("adam", sketches, states)
+
+
+@settings(deadline=None, max_examples=40)
+@given(
+    sizes=st.lists(st.integers(0, 300), min_size=1, max_size=4),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.float16]),
+    bad=st.sampled_from([None, math.nan, math.inf, -math.inf]),
+    where=st.integers(0, 10**6),
+    seed=st.integers(0, 2**16),
+)
+def test_all_finite_equals_isfinite_everywhere(sizes, dtype, bad, where, seed):
+    """One non-finite entry anywhere, in any tensor (NaN, +inf or -inf), makes it false; empty tensors are
+    finite; strided views are read as they are."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = [(torch.randn(n, 2, generator=generator) * 1e3).to(dtype)[:, 0] for n in sizes]
+    filled = [t for t in tensors if t.numel()]
+    if bad is not None and filled:
+        victim = filled[where % len(filled)]
+        victim[where % victim.numel()] = bad
+    assert all_finite(tensors) == all(bool(torch.isfinite(t).all()) for t in tensors)
+    assert all_finite([]) and all_finite([torch.empty(0)])
