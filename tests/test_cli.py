@@ -547,6 +547,36 @@ def test_above_floor_subtracts_the_floor_and_each_state():
     assert above_floor([results[0], results[2]]) is None  # no floor
 
 
+def test_rounds_rotate_and_paired_ratios_take_each_round_against_its_own():
+    from logra_optim.cli.bench import paired_ratio, rotated
+
+    configs = ["a", "b", "c"]
+    orders = [rotated(configs, i) for i in range(4)]
+    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    # Over len(configs) rounds, every configuration runs once in every place.
+    assert all(sorted(column) == configs for column in zip(*orders[:3]))
+    # A machine twice as slow in the second round: the paired ratio sees 0.5 in both rounds, the
+    # ratio of the overall medians (here, means of two) does not.
+    method, reference = [1.0, 2.0], [2.0, 4.0]
+    assert paired_ratio(method, reference) == 0.5
+    assert paired_ratio([1.0, 4.0, 3.0], [2.0, 2.0, 2.0]) == 1.5  # the median of 0.5, 2 and 1.5
+    with pytest.raises(ValueError):
+        paired_ratio([1.0], [1.0, 2.0])
+
+
+def test_bench_rotates_its_rounds_and_tabulates_paired_ratios(tmp_path):
+    data = run_tiny_bench(tmp_path, "adamw,frozen", "--rounds", "2", "--detail")
+    assert data["meta"]["round_orders"] == [["adamw", "frozen"], ["frozen", "adamw"]]
+    adamw, frozen = data["results"]
+    assert len(adamw["round_step_s"]) == len(frozen["round_step_s"]) == 2
+    paired = statistics.median(f / a for f, a in zip(frozen["round_step_s"], adamw["round_step_s"]))
+    lines = (tmp_path / "bench.md").read_text().splitlines()
+    header = next(line for line in lines if line.startswith("| method"))
+    column = [cell.strip() for cell in header.split("|")].index("paired time / AdamW")
+    row = next(line for line in lines if line.startswith("| frozen"))
+    assert [cell.strip() for cell in row.split("|")][column] == f"{paired:.2f}×"
+
+
 def test_probe_time_is_the_median_over_the_steps_that_probed():
     """A skipped update has no probe time; it neither counts nor hides the others'."""
     from logra_optim.cli.bench import median_probe_seconds

@@ -25,7 +25,8 @@ Methods (all on the same model, batch and loss; ``--rank`` is shared by the low-
 
 How it is measured: each configuration runs in a fresh process (``runner.run_fresh``), so peaks
 cannot leak between configurations; configurations run round-robin ``--rounds`` times, so a change
-of the machine's load spreads over all of them. A step is forward, ``loss.backward()``, ``step()``,
+of the machine's load spreads over all of them, and each round starts one configuration later than
+the one before (:func:`rotated`), so that none always runs first or after the same neighbour. A step is forward, ``loss.backward()``, ``step()``,
 ``zero_grad()``; with ``--accumulation N`` the step takes N forward+backward microbatches of
 ``--batch``×``--seq`` before ``step()`` (``--checkpointing``: non-reentrant gradient checkpointing, as TRL's trainers
 default to); ``--warmup`` steps first (optimizers allocate state on their first step), then
@@ -39,8 +40,10 @@ h1024), which is not training memory. ``code_warmed`` in ``bench.json`` says whe
 paged in. ``bench.json``
 also keeps the fastest step (load from other processes only ever adds time, so on a shared machine
 it is the best estimate of a quiet one), the median optimizer part (``step`` + ``zero_grad``) and
-the absolute peak; ``--detail`` puts them in the table too. Ratios divide by dense AdamW, and by
-AdamW on the targets when it ran, measured in the same invocation.
+the absolute peak; ``--detail`` puts them in the table too, with the paired time ratio
+(:func:`paired_ratio`: per round, the configuration's median step over the reference's in the same
+round, then the median over rounds). Ratios divide by dense AdamW, and by AdamW on the targets when
+it ran, measured in the same invocation.
 
 Above the floor: with ``frozen`` and ``adamw`` in the run, each method's peak minus the floor's and
 minus the state its optimizer keeps between steps (:func:`state_bytes`), as a share of dense
@@ -500,6 +503,22 @@ def _check_ranks(spec: dict, ranks: list[int], parser: argparse.ArgumentParser) 
         )
 
 
+def rotated(configs: list[Configuration], round_index: int) -> list[Configuration]:
+    """The order of round ``round_index``: ``configs`` started ``round_index`` places later, so that
+    over ``len(configs)`` rounds each configuration runs once in every place (first, on a machine
+    that has just been idle, or after any other's process)."""
+    shift = round_index % len(configs)
+    return configs[shift:] + configs[:shift]
+
+
+def paired_ratio(rounds: list[float], reference_rounds: list[float]) -> float:
+    """The median over rounds of ``rounds[i] / reference_rounds[i]``: a configuration's median step
+    of each round against the reference's of the same round. A machine that runs faster in some
+    rounds than in others moves both of a round's medians alike, and so this ratio less than the
+    ratio of the two overall medians, which can each come from rounds of a different speed."""
+    return statistics.median(a / b for a, b in zip(rounds, reference_rounds, strict=True))
+
+
 def summarize(config: Configuration, samples: list[dict]) -> dict:
     steps = [t for sample in samples for t in sample["step_s"]]
     return {
@@ -511,6 +530,7 @@ def summarize(config: Configuration, samples: list[dict]) -> dict:
         "optimizer_s": statistics.median(t for sample in samples for t in sample["optimizer_s"]),
         "probe_s": median_probe_seconds(samples),
         "step_times_s": steps,
+        "round_step_s": [statistics.median(sample["step_s"]) for sample in samples],
         "peak_bytes": max(s["peak_bytes"] for s in samples),
         "peak_abs_bytes": max(s["peak_abs_bytes"] for s in samples),
         "state_bytes": samples[0]["state_bytes"],
@@ -547,7 +567,7 @@ def above_floor(results: list[dict]) -> dict[str, float] | None:
 def table(results: list[dict], detail: bool = False) -> tuple[list[str], list[list[str]]]:
     """Headers and cells shared by the console and markdown tables: ratios to each reference that
     ran; with ``detail`` also the fastest step, the optimizer part (and of it LoGRA's KL probe, where
-    one ran) and the absolute peak."""
+    one ran), the absolute peak and the paired time ratios."""
     references = {name: r for name in REFERENCES for r in results if r["method"] == name}
     excess = above_floor(results)
     probed = detail and any(r["probe_s"] is not None for r in results)
@@ -556,7 +576,7 @@ def table(results: list[dict], detail: bool = False) -> tuple[list[str], list[li
         headers += ["step s (min)", "optimizer s (median)"] + (["of it probe s"] if probed else []) + ["peak abs GiB"]
     for name in references:
         headers += [f"memory / {REFERENCES[name]}", f"time / {REFERENCES[name]}"]
-        headers += [f"min time / {REFERENCES[name]}"] if detail else []
+        headers += [f"min time / {REFERENCES[name]}", f"paired time / {REFERENCES[name]}"] if detail else []
     headers += ["state GiB", "above floor + state / AdamW"] if excess is not None else []
     rows = []
     for r in results:
@@ -567,7 +587,9 @@ def table(results: list[dict], detail: bool = False) -> tuple[list[str], list[li
             row += [f"{r['peak_abs_bytes'] / GIB:.3f}"]
         for base in references.values():
             row += [ratio(r["peak_bytes"], base["peak_bytes"]), ratio(r["step_s"], base["step_s"])]
-            row += [ratio(r["step_min_s"], base["step_min_s"])] if detail else []
+            if detail:
+                row += [ratio(r["step_min_s"], base["step_min_s"])]
+                row += [f"{paired_ratio(r['round_step_s'], base['round_step_s']):.2f}×"]
         if excess is not None:
             share = excess.get(r["label"])
             row += [f"{r['state_bytes'] / GIB:.3f}", "floor" if share is None else f"{100 * share:.1f}%"]
@@ -672,8 +694,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
     started = time.perf_counter()
     with Progress(console=console) as progress:
         bar = progress.add_task("benchmark", total=len(configs) * args.rounds)
-        for _ in range(args.rounds):
-            for config in configs:
+        for round_index in range(args.rounds):
+            for config in rotated(configs, round_index):
                 progress.update(bar, description=config.label)
                 spec = {**base_spec, "method": config.method, "rank": config.rank}
                 env = MALLOC_THRESHOLDS[args.malloc_threshold]  # "fixed" is refused off the CPU above
@@ -710,6 +732,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
         "machine": platform.machine(),
         "skipped": skipped,
         "seconds": time.perf_counter() - started,
+        "round_orders": [[config.label for config in rotated(configs, i)] for i in range(args.rounds)],
         **revision,
         **base_spec,
     }
