@@ -26,10 +26,10 @@ Methods (all on the same model, batch and loss; ``--rank`` is shared by the low-
 How it is measured: each configuration runs in a fresh process (``runner.run_fresh``), so peaks
 cannot leak between configurations; configurations run round-robin ``--rounds`` times, so a change
 of the machine's load spreads over all of them, and each round starts one configuration later than
-the one before (:func:`rotated`), so that none always runs first or after the same neighbour. A step is forward, ``loss.backward()``, ``step()``,
-``zero_grad()``; with ``--accumulation N`` the step takes N forward+backward microbatches of
-``--batch``×``--seq`` before ``step()`` (``--checkpointing``: non-reentrant gradient checkpointing, as TRL's trainers
-default to); ``--warmup`` steps first (optimizers allocate state on their first step), then
+the one before (:func:`rotated`), so that none always runs first. A step is forward,
+``loss.backward()``, ``step()``, ``zero_grad()``; with ``--accumulation N`` the step takes N
+forward+backward microbatches of ``--batch``×``--seq`` before ``step()`` (``--checkpointing``:
+non-reentrant gradient checkpointing, as TRL's trainers default to); ``--warmup`` steps first (optimizers allocate state on their first step), then
 ``--runs`` timed steps. Reported: the median over all timed steps, and the peak memory (RSS above
 the level when the run starts on CPU, ``max_memory_allocated`` on CUDA), highest over rounds.
 Before that level is taken, a CPU worker runs its method for two steps on a model of the same kind
@@ -505,8 +505,8 @@ def _check_ranks(spec: dict, ranks: list[int], parser: argparse.ArgumentParser) 
 
 def rotated(configs: list[Configuration], round_index: int) -> list[Configuration]:
     """The order of round ``round_index``: ``configs`` started ``round_index`` places later, so that
-    over ``len(configs)`` rounds each configuration runs once in every place (first, on a machine
-    that has just been idle, or after any other's process)."""
+    over ``len(configs)`` rounds each configuration runs once in every place of the order, first
+    (after the previous round's last process) included."""
     shift = round_index % len(configs)
     return configs[shift:] + configs[:shift]
 
