@@ -29,8 +29,8 @@ of the machine's load spreads over all of them, and each round starts one config
 the one before (:func:`rotated`), so that none always runs first. A step is forward,
 ``loss.backward()``, ``step()``, ``zero_grad()``; with ``--accumulation N`` the step takes N
 forward+backward microbatches of ``--batch``×``--seq`` before ``step()`` (``--checkpointing``:
-non-reentrant gradient checkpointing, as TRL's trainers default to); ``--warmup`` steps first (optimizers allocate state on their first step), then
-``--runs`` timed steps. Reported: the median over all timed steps, and the peak memory (RSS above
+non-reentrant gradient checkpointing, as TRL's trainers default to); ``--warmup`` steps first
+(optimizers allocate state on their first step), then ``--runs`` timed steps. Reported: the median over all timed steps, and the peak memory (RSS above
 the level when the run starts on CPU, ``max_memory_allocated`` on CUDA), highest over rounds.
 Before that level is taken, a CPU worker runs its method for two steps on a model of the same kind
 shrunk to at most two layers, heads of 16 and 256 words (:func:`warm_code_paths`): RSS counts the
