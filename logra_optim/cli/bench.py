@@ -30,20 +30,20 @@ the one before (:func:`rotated`), so that none always runs first. A step is forw
 ``loss.backward()``, ``step()``, ``zero_grad()``; with ``--accumulation N`` the step takes N
 forward+backward microbatches of ``--batch``×``--seq`` before ``step()`` (``--checkpointing``:
 non-reentrant gradient checkpointing, as TRL's trainers default to); ``--warmup`` steps first
-(optimizers allocate state on their first step), then ``--runs`` timed steps. Reported: the median over all timed steps, and the peak memory (RSS above
-the level when the run starts on CPU, ``max_memory_allocated`` on CUDA), highest over rounds.
-Before that level is taken, a CPU worker runs its method for two steps on a model of the same kind
-shrunk to at most two layers, heads of 16 and 256 words (:func:`warm_code_paths`): RSS counts the
-library code a method pages in on its first steps (about 25 MiB for LoGRA with the KL probe at
-h1024), which is not training memory. ``code_warmed`` in ``bench.json`` says whether it ran, and
-``file_pages_paged_in_bytes`` how much file-backed memory (``RssFile``) the measured steps still
-paged in. ``bench.json``
-also keeps the fastest step (load from other processes only ever adds time, so on a shared machine
-it is the best estimate of a quiet one), the median optimizer part (``step`` + ``zero_grad``) and
-the absolute peak; ``--detail`` puts them in the table too, with the paired time ratio
-(:func:`paired_ratio`: per round, the configuration's median step over the reference's in the same
-round, then the median over rounds). Ratios divide by dense AdamW, and by AdamW on the targets when
-it ran, measured in the same invocation.
+(optimizers allocate state on their first step), then ``--runs`` timed steps. Reported: the median
+over all timed steps, and the peak memory (RSS above the level when the run starts on CPU,
+``max_memory_allocated`` on CUDA), highest over rounds. Before that level is taken, a CPU worker
+runs its method for two steps on a model of the same kind shrunk to at most two layers, heads of 16
+and 256 words (:func:`warm_code_paths`): RSS counts the library code a method pages in on its first
+steps (about 25 MiB for LoGRA with the KL probe at h1024), which is not training memory.
+``code_warmed`` in ``bench.json`` says whether it ran, and ``file_pages_paged_in_bytes`` how much
+file-backed memory (``RssFile``) the measured steps still paged in. ``bench.json`` also keeps the
+fastest step (load from other processes only ever adds time, so on a shared machine it is the best
+estimate of a quiet one), the median optimizer part (``step`` + ``zero_grad``) and the absolute
+peak; ``--detail`` puts them in the table too, with the paired time ratio (:func:`paired_ratio`: per
+round, the configuration's median step over the reference's in the same round, then the median over
+rounds). Ratios divide by dense AdamW, and by AdamW on the targets when it ran, measured in the same
+invocation.
 
 Above the floor: with ``frozen`` and ``adamw`` in the run, each method's peak minus the floor's and
 minus the state its optimizer keeps between steps (:func:`state_bytes`), as a share of dense
