@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from .projection import PROJECTIONS, make_projection
-from .updates import merge_low_rank_, merge_low_rank_compensated_
+from .updates import all_finite, merge_low_rank_, merge_low_rank_compensated_
 
 PAYLOAD_FORMAT = "logra-sync"
 PAYLOAD_VERSION = 4
@@ -234,7 +234,7 @@ def _validate(payload: SyncPayload) -> None:
                 raise PayloadError(f"{where}: in_features {target.in_features} is below the rank {factor.shape[1]}")
             if not 0 <= target.seed < _MAX_SEED:
                 raise PayloadError(f"{where}: seed {target.seed} is outside [0, 2**63)")
-            if not bool(torch.isfinite(factor).all()):
+            if not all_finite([factor]):
                 raise PayloadError(f"{where}: factor is not finite")
             if target.rounding not in ROUNDINGS:
                 raise PayloadError(f"{where}: rounding must be one of {ROUNDINGS}, got {target.rounding!r}")

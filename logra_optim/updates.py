@@ -196,15 +196,23 @@ def low_rank_sq_norm(factor: torch.Tensor, projection_gram: torch.Tensor) -> tor
 
 
 def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
-    """Whether every entry of every tensor is finite (empty tensors are).
+    """Whether every entry of every tensor is finite (empty tensors are), with one host sync per
+    device.
 
-    One read of each tensor and two scalars out: ``aminmax`` propagates NaN, and ±inf is the
-    minimum or the maximum. ``isfinite(t).all()`` would write a boolean mask the size of ``t`` and
-    read it again: on every update, over every sketch."""
+    On CPU and CUDA each tensor is read once, for two scalars: ``aminmax`` propagates NaN, and ±inf
+    is the minimum or the maximum. ``isfinite(t).all()`` would write a mask the size of ``t`` and
+    read it again, on every update, over every sketch. Elsewhere (MPS's reductions have not always
+    propagated NaN) it is what runs."""
+    flags: dict[torch.device, list[torch.Tensor]] = {}
     for tensor in tensors:
-        if tensor.numel() and not bool(torch.isfinite(torch.stack(torch.aminmax(tensor))).all()):
-            return False
-    return True
+        if not tensor.numel():
+            continue
+        if tensor.device.type in ("cpu", "cuda"):
+            flag = torch.isfinite(torch.stack(torch.aminmax(tensor)))
+        else:
+            flag = torch.isfinite(tensor).all().view(1)
+        flags.setdefault(tensor.device, []).append(flag)
+    return all(bool(torch.cat(device_flags).all()) for device_flags in flags.values())
 
 
 def relative_step_size(update_ratio: float, weight_sq_norm: float, update_sq_norm: float) -> float:

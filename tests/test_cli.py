@@ -568,6 +568,8 @@ def test_bench_rotates_its_rounds_and_tabulates_paired_ratios(tmp_path):
     data = run_tiny_bench(tmp_path, "adamw,frozen", "--rounds", "2", "--detail")
     assert data["meta"]["round_orders"] == [["adamw", "frozen"], ["frozen", "adamw"]]
     adamw, frozen = data["results"]
+    # One timed step per round: each round's median is that round's step, in the order they ran.
+    assert adamw["round_step_s"] == adamw["step_times_s"] and frozen["round_step_s"] == frozen["step_times_s"]
     assert len(adamw["round_step_s"]) == len(frozen["round_step_s"]) == 2
     paired = statistics.median(f / a for f, a in zip(frozen["round_step_s"], adamw["round_step_s"]))
     lines = (tmp_path / "bench.md").read_text().splitlines()

@@ -232,10 +232,11 @@ def test_merge_flat_partition_rejects_a_partition_outside_the_weight():
 
 def test_guards_and_rank_summed_scalars(tmp_path):
     """On 2 real ranks: mismatched projections fail loudly on every rank (seeds at construction, a
-    differing A at the next step, naming the target); a NaN in one rank's sketch skips the update on
-    both, weights untouched, and the next update goes through; Shard(1) and FSDP1 are refused clearly; the
-    predicted KL is the token-weighted mean over every rank's probe positions (3 vs 32 here), also
-    when each probes a subset of them, and κ the token mean over every rank's tokens."""
+    differing A at the next step, naming the target); a NaN in one rank's sketch, or an average that
+    overflows, skips the update on both, weights untouched, and the next update goes through;
+    Shard(1) and FSDP1 are refused clearly; the predicted KL is the token-weighted mean over every
+    rank's probe positions (3 vs 32 here), also when each probes a subset of them, and κ the token
+    mean over every rank's tokens."""
     result = torchrun("guards", str(tmp_path))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     for rank, seen in enumerate(torch.load(tmp_path / "guards.pt", weights_only=False)):
@@ -246,11 +247,11 @@ def test_guards_and_rank_summed_scalars(tmp_path):
         assert "Shard(dim=1)" in seen["shard1"]
         assert seen["fsdp1"].startswith("ValueError") and "fully_shard" in seen["fsdp1"]
         assert seen["rows"]
-        for direction in ("orthogonal", "rowadam"):
-            nan = seen[f"nan_sketch_{direction}"]
-            assert nan["skips"] == 1 and nan["unchanged"] and nan["sketch_zero"], (rank, direction, nan)
-            assert any("non-finite sketch" in message for message in nan["warnings"]), (rank, direction)
-            assert nan["next_update_index"] == 1, (rank, direction)
+        for case in ("nan_sketch_orthogonal", "nan_sketch_rowadam", "overflow_sketch_orthogonal"):
+            skipped = seen[case]
+            assert skipped["skips"] == 1 and skipped["unchanged"] and skipped["sketch_zero"], (rank, case, skipped)
+            assert any("non-finite sketch" in message for message in skipped["warnings"]), (rank, case)
+            assert skipped["next_update_index"] == 1, (rank, case)
         assert seen["probe_tokens"] == 35
         assert seen["q"] == pytest.approx(seen["q_reference"], rel=1e-9)
         q0, q1 = seen["q_subset_per_rank"]

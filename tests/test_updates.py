@@ -556,20 +556,33 @@ def test_next_directions_of_several_targets_equal_each_alone():
 
 @settings(deadline=None, max_examples=40)
 @given(
-    sizes=st.lists(st.integers(0, 300), min_size=1, max_size=4),
+    shapes=st.lists(st.sampled_from([(), (0,), (7,), (300, 2), (17, 9), (1 << 17,), (3, 0)]), min_size=1, max_size=4),
+    strided=st.booleans(),
     dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.float16]),
     bad=st.sampled_from([None, math.nan, math.inf, -math.inf]),
     where=st.integers(0, 10**6),
     seed=st.integers(0, 2**16),
 )
-def test_all_finite_equals_isfinite_everywhere(sizes, dtype, bad, where, seed):
-    """One non-finite entry anywhere, in any tensor (NaN, +inf or -inf), makes it false; empty tensors are
-    finite; strided views are read as they are."""
+def test_all_finite_equals_isfinite_everywhere(shapes, strided, dtype, bad, where, seed):
+    """One non-finite entry anywhere, in any tensor (NaN, +inf or -inf), makes it false; empty and
+    0-dim tensors, contiguous tensors large enough for the vectorised and threaded CPU loops, and
+    strided views all count. Entries near the dtype's largest finite value, whose sum would
+    overflow, are finite."""
     generator = torch.Generator().manual_seed(seed)
-    tensors = [(torch.randn(n, 2, generator=generator) * 1e3).to(dtype)[:, 0] for n in sizes]
+    largest = torch.finfo(dtype).max
+    tensors = []
+    for shape in shapes:
+        full = torch.rand((*shape, 2) if strided else shape, generator=generator, dtype=torch.float64)
+        values = ((full * 2 - 1) * 0.99 * largest).to(dtype)
+        tensors.append(values[..., 0] if strided else values)
     filled = [t for t in tensors if t.numel()]
     if bad is not None and filled:
         victim = filled[where % len(filled)]
-        victim[where % victim.numel()] = bad
+        index = torch.unravel_index(torch.tensor(where % victim.numel()), victim.shape)
+        victim[index] = bad  # through the view itself where it is strided
     assert all_finite(tensors) == all(bool(torch.isfinite(t).all()) for t in tensors)
-    assert all_finite([]) and all_finite([torch.empty(0)])
+
+
+def test_all_finite_of_nothing_and_of_empty_tensors_is_true():
+    assert all_finite([]) and all_finite([torch.empty(0), torch.empty(3, 0)])
+    assert not all_finite([torch.empty(0), torch.tensor(math.nan)])

@@ -694,8 +694,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
     started = time.perf_counter()
     with Progress(console=console) as progress:
         bar = progress.add_task("benchmark", total=len(configs) * args.rounds)
+        orders = []
         for round_index in range(args.rounds):
+            orders.append([])
             for config in rotated(configs, round_index):
+                orders[-1].append(config.label)
                 progress.update(bar, description=config.label)
                 spec = {**base_spec, "method": config.method, "rank": config.rank}
                 env = MALLOC_THRESHOLDS[args.malloc_threshold]  # "fixed" is refused off the CPU above
@@ -732,7 +735,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
         "machine": platform.machine(),
         "skipped": skipped,
         "seconds": time.perf_counter() - started,
-        "round_orders": [[config.label for config in rotated(configs, i)] for i in range(args.rounds)],
+        "round_orders": orders,  # as they ran
         **revision,
         **base_spec,
     }

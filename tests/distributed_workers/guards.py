@@ -62,20 +62,23 @@ def main() -> None:
     results["projection"] = error_of(opt.step)
     del opt
 
-    # A non-finite sketch on one rank skips the update on both, with the weights untouched: rank 1's
-    # NaN reaches both averages. Orthogonal directions (the default) would fail in eigh on it, RowAdam
-    # would merge it.
-    for direction in ("orthogonal", "rowadam"):
+    # A non-finite average skips the update on both ranks, with the weights untouched: rank 1's NaN
+    # reaches both averages (orthogonal directions, the default, would fail in eigh on it, RowAdam
+    # would merge it), and so does a sum that overflows although each rank's sketch is finite (only
+    # a check after the average sees it).
+    for case, direction in (("nan", "orthogonal"), ("nan", "rowadam"), ("overflow", "orthogonal")):
         model = frozen_model()
         opt = LoGRAOptimizer(model, rank=4, update_ratio=1e-2, direction=direction)
         model(**BATCH).loss.backward()
-        if rank == 1:
+        if case == "overflow":
+            opt.sketch_buffers()[0][3] = 3e38
+        elif rank == 1:
             opt.sketch_buffers()[0][3] = float("nan")
         before = [p.detach().clone() for p in model.parameters()]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             opt.step()
-        results[f"nan_sketch_{direction}"] = {
+        results[f"{case}_sketch_{direction}"] = {
             "skips": opt.nonfinite_skips,
             "unchanged": all(torch.equal(p, q) for p, q in zip(model.parameters(), before)),
             "warnings": [str(w.message) for w in caught],
@@ -84,7 +87,7 @@ def main() -> None:
         # The next update, from a clean sketch, goes through on both ranks.
         model(**BATCH).loss.backward()
         opt.step()
-        results[f"nan_sketch_{direction}"]["next_update_index"] = opt.update_index
+        results[f"{case}_sketch_{direction}"]["next_update_index"] = opt.update_index
         del opt
 
     # Tensor parallel placements are refused, naming the parameter and the placement.
