@@ -41,6 +41,13 @@ from .probe import (
 )
 
 
+NO_CONTEXTS = (
+    "KL control has no probe contexts: none were recorded from a training forward "
+    "(call model(input_ids=..., attention_mask=..., labels=...) in train mode before step()), "
+    "or give them with optimizer.set_probe_contexts(input_ids, attention_mask, probe_mask, temperature)"
+)
+
+
 class UpdateSkipped(Exception):
     """A KL measurement was not finite: the update must not be applied. ``reason`` is a short tag
     for ``stats["skipped"]``."""
@@ -105,14 +112,15 @@ class KLController:
     # Inputs: probe contexts and the rollout/trainer mismatch
 
     def contexts(self) -> ProbeContexts:
-        """The contexts the next probe runs on: the explicit ones, else the latest recorded."""
+        """The contexts the next probe runs on: the explicit ones, else the latest recorded.
+
+        Across ranks, recorded contexts without a probe position still take part: the probe's
+        forward and its sums are collectives (FSDP2 gathers the weights layer by layer), which a
+        rank that raised alone would leave the others waiting in. Such a rank adds no term and no
+        token; only when no rank has a position does every rank raise (:meth:`choose`)."""
         contexts = self._explicit or (self._recorder.latest if self._recorder else None)
-        if contexts is None or contexts.tokens == 0:
-            raise RuntimeError(
-                "KL control has no probe contexts: none were recorded from a training forward "
-                "(call model(input_ids=..., attention_mask=..., labels=...) in train mode before step()), "
-                "or give them with optimizer.set_probe_contexts(input_ids, attention_mask, probe_mask, temperature)"
-            )
+        if contexts is None or (contexts.tokens == 0 and self._ranks is None):
+            raise RuntimeError(NO_CONTEXTS)
         return contexts
 
     def set_contexts(
@@ -204,6 +212,8 @@ class KLController:
         # weights in the mean over every rank's positions (as without a subset).
         represented = total if contexts is every else float(total) * every.tokens / tokens
         total, represented_tokens, tokens = self._reduce(represented, every.tokens, tokens)
+        if represented_tokens == 0:  # only across ranks: one process raised in contexts()
+            raise RuntimeError(f"{NO_CONTEXTS} (no rank's latest contexts hold a probe position)")
         tokens = int(tokens)
         q = total / max(represented_tokens, 1)
         if not math.isfinite(q) or q < 0:

@@ -470,8 +470,8 @@ def check_fingerprints(
         other = everyone[rank]
         if other[0] != reference[0]:
             detail = (
-                "settings (seed, projection index, rank, expert rank, kind, refresh, refresh_every, shared, targets, "
-                "generator) "
+                "settings (seed, projection index, update index, rank, expert rank, kind, refresh, refresh_every, "
+                "shared, targets, generator) "
                 f"{reference[0]} on rank 0 vs {other[0]} on rank {rank}"
             )
             break

@@ -11,6 +11,7 @@ schedulers work unchanged; its state is tensors, numbers and strings only.
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 import weakref
@@ -75,6 +76,13 @@ class StepPlan:
     def factors(self) -> list[torch.Tensor]:
         """``F = η U`` per target: the unit step (α = 1) the KL probe measures."""
         return [step.factor() for step in self.steps]
+
+    def finite(self) -> bool:
+        """Every direction and step size is finite. A finite sketch can still give a non-finite
+        plan: SGD's direction is the sketch itself, and a huge one overflows the fp32 Gram of
+        ``‖U A‖²``, whose inf against the projection Gram's zeros is NaN, and so is ``η``. Every rank
+        computes the same plan from the same averaged sketches, so every rank decides alike."""
+        return all(math.isfinite(step.eta) for step in self.steps) and all_finite(s.direction for s in self.steps)
 
     @property
     def mean_eta(self) -> float:
@@ -475,6 +483,10 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             return loss
         self._warn_if_eval_mode()
         plan = self._plan(sharded_sq)
+        if not plan.finite():
+            self.nonfinite_skips += 1
+            self._skip(f"non-finite direction or step size at update {self.update_index + 1}", "nonfinite_plan")
+            return loss
         try:
             alpha, kl_stats = self._apply(plan)
         except UpdateSkipped as skipped:
@@ -689,6 +701,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         header = (
             self.seed,
             self.projection_index,
+            self.update_index,
             self.rank,
             self.expert_rank,
             self.projection,

@@ -232,21 +232,33 @@ def test_merge_flat_partition_rejects_a_partition_outside_the_weight():
 
 def test_guards_and_rank_summed_scalars(tmp_path):
     """On 2 real ranks: mismatched projections fail loudly on every rank (seeds at construction, a
-    differing A at the next step, naming the target); a NaN in one rank's sketch, or an average that
-    overflows, skips the update on both, weights untouched, and the next update goes through;
-    Shard(1) and FSDP1 are refused clearly; the predicted KL is the token-weighted mean over every
-    rank's probe positions (3 vs 32 here), also when each probes a subset of them, and κ the token
-    mean over every rank's tokens."""
+    differing A or update index at the next step, naming the target or the settings); a NaN in one
+    rank's sketch, or an average that overflows, skips the update on both, weights untouched, and
+    the next update goes through; a rank whose probe rows hold no position takes part in the probe
+    (every rank raises when none has one); Shard(1) and FSDP1 are refused clearly; the predicted KL
+    is the token-weighted mean over every rank's probe positions (3 vs 32 here), also when each
+    probes a subset of them, and κ the token mean over every rank's tokens."""
     result = torchrun("guards", str(tmp_path))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     for rank, seen in enumerate(torch.load(tmp_path / "guards.pt", weights_only=False)):
         assert seen["seed"].startswith("RuntimeError") and "ranks [0, 1] disagree" in seen["seed"], rank
-        assert "(0, 0, 4, 4, 'rademacher'" in seen["seed"] and "(1, 0, 4, 4, 'rademacher'" in seen["seed"]
+        assert "(0, 0, 0, 4, 4, 'rademacher'" in seen["seed"] and "(1, 0, 0, 4, 4, 'rademacher'" in seen["seed"]
         assert "projection of target 'model.layers.1.mlp.down_proj' differs" in seen["projection"], rank
+        assert seen["update_index"].startswith("RuntimeError") and "update index" in seen["update_index"], rank
+        assert "(0, 0, 0, 4, 4, 'rademacher'" in seen["update_index"]  # seed, projection index, update index
+        assert "(0, 0, 1, 4, 4, 'rademacher'" in seen["update_index"]
         assert seen["shard1"].startswith("ValueError") and "'model.layers.0.self_attn.o_proj'" in seen["shard1"]
         assert "Shard(dim=1)" in seen["shard1"]
         assert seen["fsdp1"].startswith("ValueError") and "fully_shard" in seen["fsdp1"]
         assert seen["rows"]
+        for case in ("", "_checked", "_fd"):  # JVP, with the realised-KL check, finite differences
+            one = seen[f"one_rank_without_positions{case}"]
+            assert one["error"] is None and one["update_index"] == 1, (rank, case, one["error"])
+            assert one["probe_tokens"] == 2 * 11  # rank 0's two rows of 12 tokens: 11 positions each
+            assert torch.isfinite(one["weights"]).all()
+        none = seen["no_rank_with_positions"]
+        assert none["error"].startswith("RuntimeError") and "no rank's latest contexts" in none["error"], rank
+        assert none["update_index"] == 0
         for case in ("nan_sketch_orthogonal", "nan_sketch_rowadam", "overflow_sketch_orthogonal"):
             skipped = seen[case]
             assert skipped["skips"] == 1 and skipped["unchanged"] and skipped["sketch_zero"], (rank, case, skipped)
@@ -264,6 +276,11 @@ def test_guards_and_rank_summed_scalars(tmp_path):
         assert any("computed in ['torch.bfloat16']" in message for message in seen["fsdp2_bf16_compute"]), rank
         assert seen["collectives_plain"] == {"all_reduce": 1, "all_gather": 1}
         assert seen["collectives_kl"] == {"all_reduce": 2, "all_gather": 1}
+    ranks = torch.load(tmp_path / "guards.pt", weights_only=False)
+    # Both ranks applied the same update although only rank 0 probed.
+    for case in ("", "_checked", "_fd"):
+        key = f"one_rank_without_positions{case}"
+        assert torch.equal(ranks[0][key]["weights"], ranks[1][key]["weights"]), case
 
 
 @pytest.mark.parametrize(

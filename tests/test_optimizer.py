@@ -532,6 +532,27 @@ def test_non_finite_sketch_skips_the_step_and_changes_nothing(poison):
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
 
 
+def test_finite_sketch_with_a_non_finite_plan_skips_the_step_and_changes_nothing():
+    """SGD's direction is the sketch itself: a finite but huge one overflows the fp32 Gram of ‖U A‖²,
+    whose inf against the projection Gram's zeros made η NaN, which was merged into every weight."""
+    model = patch_model(tiny_qwen2())
+    model.train()
+    opt = LoGRAOptimizer(model, rank=4, direction="sgd", update_ratio=1e-3)
+    model(**fixed_batch(seed=0)).loss.backward()
+    (buffer,) = opt.sketch_buffers()
+    buffer.mul_(1e25 / buffer.abs().max())
+    assert torch.isfinite(buffer).all()
+    weights = [p.detach().clone() for p in model.parameters()]
+    with pytest.warns(RuntimeWarning, match="non-finite direction or step size at update 1"):
+        opt.step()
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    assert opt.stats["skipped"] == "nonfinite_plan" and opt.nonfinite_skips == 1 and opt.update_index == 0
+    assert not buffer.any()  # cleared, as after any skip
+    model(**fixed_batch(seed=1)).loss.backward()
+    opt.step()  # the next, ordinary, update goes through
+    assert opt.update_index == 1 and all(torch.isfinite(p).all() for p in model.parameters())
+
+
 def test_non_finite_sketch_leaves_non_target_weights_untouched(tiny, batch):
     patch_model(tiny)
     tiny.lm_head.weight.requires_grad_(True)

@@ -90,6 +90,40 @@ def main() -> None:
         results[f"{case}_sketch_{direction}"]["next_update_index"] = opt.update_index
         del opt
 
+    # Ranks restored from checkpoints one update apart, within one projection's lifetime (same A):
+    # caught at the next step, which fingerprints the update index too.
+    model = frozen_model()
+    opt = LoGRAOptimizer(model, rank=4, update_ratio=1e-2)
+    model(**BATCH).loss.backward()
+    if rank == 1:
+        opt.update_index += 1
+    results["update_index"] = error_of(opt.step)
+    del opt
+
+    # A rank whose probe rows (rows 0 and 2 of 4, spread) hold no probe position takes part in the
+    # probe with no terms instead of raising alone while the other waits in its collectives; with no
+    # position on any rank, every rank raises.
+    no_positions = dict(BATCH, labels=BATCH["labels"].clone())
+    no_positions["labels"][[0, 2]] = -100
+    for case, empty_on, options in (
+        ("one_rank_without_positions", {1}, {}),
+        ("one_rank_without_positions_checked", {1}, {"realised_kl_check": True}),
+        ("one_rank_without_positions_fd", {1}, {"probe": "finite_difference"}),
+        ("no_rank_with_positions", {0, 1}, {}),
+    ):
+        model = frozen_model()
+        opt = LoGRAOptimizer(model, rank=4, kl_budget=1e-3, update_ratio=1e-2, **options)
+        model(**(no_positions if rank in empty_on else BATCH)).loss.backward()
+        error = error_of(opt.step)
+        weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+        results[case] = {
+            "error": error,
+            "update_index": opt.update_index,
+            "probe_tokens": opt.stats.get("probe_tokens"),
+            "weights": weights,
+        }
+        del opt
+
     # Tensor parallel placements are refused, naming the parameter and the placement.
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
