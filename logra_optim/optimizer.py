@@ -78,11 +78,15 @@ class StepPlan:
         return [step.factor() for step in self.steps]
 
     def finite(self) -> bool:
-        """Every direction and step size is finite. A finite sketch can still give a non-finite
-        plan: SGD's direction is the sketch itself, and a huge one overflows the fp32 Gram of
-        ``‖U A‖²``, whose inf against the projection Gram's zeros is NaN, and so is ``η``. Every rank
-        computes the same plan from the same averaged sketches, so every rank decides alike."""
-        return all(math.isfinite(step.eta) for step in self.steps) and all_finite(s.direction for s in self.steps)
+        """Every direction, step size and state to commit is finite. A finite sketch can still give
+        a non-finite plan: SGD's direction is the sketch itself, and a huge one overflows the fp32
+        Gram of ``‖U A‖²``, whose inf against the projection Gram's zeros is NaN, and so is ``η``;
+        RowAdam's fp32 row moment overflows (its direction then comes out zero, and the inf moment
+        would zero every later one). Every rank computes the same plan from the same averaged
+        sketches, so every rank decides alike."""
+        tensors = [step.direction for step in self.steps]
+        tensors += [value for step in self.steps for value in step.state.values() if isinstance(value, torch.Tensor)]
+        return all(math.isfinite(step.eta) for step in self.steps) and all_finite(tensors)
 
     @property
     def mean_eta(self) -> float:
@@ -459,8 +463,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         ``refresh_every`` updates, draw a new ``A`` (carrying any first moment into it).
 
         The sketches are cleared because they hold this update's gradient (and, at a redraw, are
-        expressed in the basis that was just replaced). A non-finite sketch, or a non-finite
-        predicted or realised KL, skips the update: weights and optimizer state stay untouched, a
+        expressed in the basis that was just replaced). A non-finite sketch, a non-finite direction,
+        step size or state computed from it, or a non-finite predicted or realised KL, skips the
+        update: weights and optimizer state stay untouched, a
         warning is issued and a counter in ``stats`` records it.
         """
         self._refuse_loss_scaling()

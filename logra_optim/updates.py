@@ -44,8 +44,9 @@ def rowadam_direction(
     """
     if step < 1:
         raise ValueError(f"step must be >= 1, got {step}")
-    # Row mean of squares in float64: an fp32 square overflows for |S| ≳ 1e19 and underflows for
-    # |S| ≲ 1e-22, which would silently zero or un-normalise rows.
+    # Row mean of squares in float64: an fp32 square underflows for |S| ≲ 1e-22, which would silently
+    # zero rows. One above fp32's range (|S| ≳ 1e19) still overflows the fp32 moment; the optimizer
+    # skips such an update (StepPlan.finite).
     row_mean_square = sketch.double().square().mean(dim=1).to(row_second_moment.dtype)
     v_new = row_second_moment * beta2 + row_mean_square * (1.0 - beta2)
     rms = (v_new / (1.0 - beta2**step)).sqrt()

@@ -532,12 +532,15 @@ def test_non_finite_sketch_skips_the_step_and_changes_nothing(poison):
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
 
 
-def test_finite_sketch_with_a_non_finite_plan_skips_the_step_and_changes_nothing():
-    """SGD's direction is the sketch itself: a finite but huge one overflows the fp32 Gram of ‖U A‖²,
-    whose inf against the projection Gram's zeros made η NaN, which was merged into every weight."""
+@pytest.mark.parametrize("direction", ["sgd", "rowadam"])
+def test_finite_sketch_with_a_non_finite_plan_skips_the_step_and_changes_nothing(direction):
+    """A finite but huge sketch. SGD's direction is the sketch itself: it overflows the fp32 Gram of
+    ‖U A‖², whose inf against the projection Gram's zeros made η NaN, which was merged into every
+    weight. RowAdam's fp32 row moment overflows: the direction came out zero and the inf moment was
+    kept, zeroing every later direction of the target."""
     model = patch_model(tiny_qwen2())
     model.train()
-    opt = LoGRAOptimizer(model, rank=4, direction="sgd", update_ratio=1e-3)
+    opt = LoGRAOptimizer(model, rank=4, direction=direction, update_ratio=1e-3)
     model(**fixed_batch(seed=0)).loss.backward()
     (buffer,) = opt.sketch_buffers()
     buffer.mul_(1e25 / buffer.abs().max())
@@ -551,6 +554,9 @@ def test_finite_sketch_with_a_non_finite_plan_skips_the_step_and_changes_nothing
     model(**fixed_batch(seed=1)).loss.backward()
     opt.step()  # the next, ordinary, update goes through
     assert opt.update_index == 1 and all(torch.isfinite(p).all() for p in model.parameters())
+    assert all(torch.isfinite(t).all() for entry in opt.state.values() for t in entry.values())
+    before = {id(p): w for p, w in zip(model.parameters(), weights)}
+    assert all(not torch.equal(m.weight, before[id(m.weight)]) for _, m in patched_modules(model))  # all moved
 
 
 def test_non_finite_sketch_leaves_non_target_weights_untouched(tiny, batch):
