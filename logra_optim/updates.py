@@ -44,9 +44,10 @@ def rowadam_direction(
     """
     if step < 1:
         raise ValueError(f"step must be >= 1, got {step}")
-    # Row mean of squares in float64: an fp32 square underflows for |S| ≲ 1e-22, which would silently
-    # zero rows. One above fp32's range (|S| ≳ 1e19) still overflows the fp32 moment; the optimizer
-    # skips such an update (StepPlan.finite).
+    # Row mean of squares in float64, then cast: the squares of single entries below about 1e-22 or
+    # above about 1e19 would underflow or overflow in fp32 and distort the row's mean. A mean beyond
+    # fp32's range still overflows the moment (the optimizer skips that update, StepPlan.finite) or
+    # flushes it to zero (the row keeps a zero direction).
     row_mean_square = sketch.double().square().mean(dim=1).to(row_second_moment.dtype)
     v_new = row_second_moment * beta2 + row_mean_square * (1.0 - beta2)
     rms = (v_new / (1.0 - beta2**step)).sqrt()
