@@ -465,8 +465,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         The sketches are cleared because they hold this update's gradient (and, at a redraw, are
         expressed in the basis that was just replaced). A non-finite sketch, a non-finite direction,
         step size or state computed from it, or a non-finite predicted or realised KL, skips the
-        update: weights and optimizer state stay untouched, a
-        warning is issued and a counter in ``stats`` records it.
+        update: weights and optimizer state stay untouched, a warning is issued and a counter in
+        ``stats`` records it.
         """
         self._refuse_loss_scaling()
         loss = None
@@ -490,7 +490,10 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         plan = self._plan(sharded_sq)
         if not plan.finite():
             self.nonfinite_skips += 1
-            self._skip(f"non-finite direction or step size at update {self.update_index + 1}", "nonfinite_plan")
+            self._skip(
+                f"non-finite direction, step size or optimizer state at update {self.update_index + 1}",
+                "nonfinite_plan",
+            )
             return loss
         try:
             alpha, kl_stats = self._apply(plan)
