@@ -555,6 +555,27 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                     "direction='rowadam' before loading this checkpoint"
                 )
 
+    def _refuse_other_targets(self, saved: list[str] | None) -> None:
+        """Per-target state is loaded by position, so a checkpoint of other targets (``k_proj``
+        where this optimizer has ``v_proj``: in grouped-query attention their shapes agree) would
+        steer one with another's moments. Names may differ by a wrapper's prefix (``module.``).
+        Checkpoints from before the names were saved have none to compare."""
+        if saved is None:
+            return
+        names = [target.name for target in self._targets]
+
+        def same(a: str, b: str) -> bool:
+            return a == b or a.endswith("." + b) or b.endswith("." + a)
+
+        if len(saved) != len(names):
+            raise ValueError(f"state_dict was saved with {len(saved)} targets, this optimizer has {len(names)}")
+        for index, (theirs, ours) in enumerate(zip(saved, names)):
+            if not same(str(theirs), ours):
+                raise ValueError(
+                    f"state_dict target {index} is {theirs!r}, this optimizer's is {ours!r}: a checkpoint of other "
+                    "targets (patch_model's target_modules) cannot be resumed"
+                )
+
     def _refuse_loss_scaling(self) -> None:
         if not hasattr(self, "found_inf"):  # set by GradScaler.step for the duration of the call
             return
@@ -785,6 +806,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             "nonfinite_skips": self.nonfinite_skips,
             "probe_skips": self.probe_skips,
             "polar_floor": self.polar_floor,
+            # Per-target state is stored by position; the names let a resume refuse other targets.
+            "targets": [target.name for target in self._targets],
         }
         if self.non_target_optimizer is not None:
             state["non_target"] = self.non_target_optimizer.state_dict()
@@ -808,6 +831,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             )
         if (non_target is None) != (self.non_target_optimizer is None):
             raise ValueError("state_dict and optimizer disagree on whether a non_target_optimizer is used")
+        self._refuse_other_targets(logra.get("targets"))
         state_dict["param_groups"] = [upgrade_param_group(g) for g in state_dict["param_groups"]]
         self._refuse_missing_row_moments(state_dict)
         super().load_state_dict(state_dict)

@@ -367,10 +367,11 @@ class UpdateRecorder:
     """
 
     def __init__(self, optimizer, rename=None):
-        self.rank, self.expert_rank = optimizer.rank, optimizer.expert_rank
-        self.projection = optimizer.projection
         self.rename = rename or (lambda name: name)
         self.pending: list[Update] = []
+        # Per pending update, the settings its A came from, read when it was merged: a resume
+        # (load_state_dict) replaces the optimizer's projection kind after this recorder was built.
+        self._settings: list[tuple[int, str, int]] = []
         self._handle = optimizer.register_merge_hook(self._record)
 
     def _record(self, optimizer, update: Update) -> None:
@@ -379,23 +380,40 @@ class UpdateRecorder:
             for t in update.targets
         )
         self.pending.append(Update(update.index, targets))
+        self._settings.append((optimizer.rank, optimizer.projection, optimizer.expert_rank))
 
     @property
     def pending_bytes(self) -> int:
         return factor_bytes(self.pending)
 
+    @property
+    def consistent(self) -> bool:
+        """Whether the pending updates share one projection setting, so that :meth:`drain` can
+        send them as one payload."""
+        return len(set(self._settings)) <= 1
+
     def drain(self) -> SyncPayload | None:
-        """The pending updates as one payload (``None`` if there are none); clears them."""
+        """The pending updates as one payload (``None`` if there are none); clears them. Refuses
+        updates merged with different projection settings (an optimizer state loaded between
+        them), which no one payload can describe: the engine then needs the full weights."""
         if not self.pending:
             return None
-        payload = SyncPayload(self.rank, self.projection, tuple(self.pending), self.expert_rank)
-        self.pending = []
+        settings = set(self._settings)
+        if not self.consistent:
+            raise ValueError(
+                f"UpdateRecorder: the pending updates {self.pending[0].index}..{self.pending[-1].index} were merged "
+                f"with different (rank, projection, expert_rank) settings {sorted(settings)} (an optimizer state "
+                "loaded between them); send the full weights instead (clear() drops the pending updates)"
+            )
+        ((rank, projection, expert_rank),) = settings
+        payload = SyncPayload(rank, projection, tuple(self.pending), expert_rank)
+        self.clear()
         return payload
 
     def clear(self) -> None:
         """Forget pending updates (a full sync has superseded them)."""
-        self.pending = []
+        self.pending, self._settings = [], []
 
     def close(self) -> None:
         self._handle.remove()
-        self.pending = []
+        self.clear()

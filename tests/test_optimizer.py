@@ -824,3 +824,35 @@ def test_a_second_param_group_is_refused():
     opt = LoGRAOptimizer(model, rank=2)
     with pytest.raises(ValueError, match="one param group.*non_target_optimizer"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+
+
+def test_a_checkpoint_of_other_targets_is_refused_naming_them():
+    """Per-target state loads by position: k_proj's moments must not steer v_proj (grouped-query
+    attention gives both one shape). A wrapper's prefix on the saved names is not a difference."""
+
+    def optimizer(targets):
+        model = patch_model(tiny_qwen2(), target_modules=targets)
+        return model, LoGRAOptimizer(model, rank=4, update_ratio=1e-3)
+
+    model, saved_opt = optimizer(["q_proj", "k_proj"])
+    model.train()
+    model(**fixed_batch(seed=0)).loss.backward()
+    saved_opt.step()
+    saved = saved_opt.state_dict()
+    assert saved["logra"]["targets"][:2] == ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj"]
+    _, other = optimizer(["q_proj", "v_proj"])
+    with pytest.raises(
+        ValueError, match=r"target 1 is 'model.layers.0.self_attn.k_proj'.*'model.layers.0.self_attn.v_proj'"
+    ):
+        other.load_state_dict(saved)
+    assert other.update_index == 0 and not other.state  # refused before anything was loaded
+    prefixed = copy.deepcopy(saved)
+    prefixed["logra"]["targets"] = ["module." + name for name in saved["logra"]["targets"]]
+    _, same = optimizer(["q_proj", "k_proj"])
+    same.load_state_dict(prefixed)
+    assert same.update_index == 1
+    legacy = copy.deepcopy(saved)
+    del legacy["logra"]["targets"]  # a checkpoint from before the names were saved: nothing to compare
+    _, old = optimizer(["q_proj", "k_proj"])
+    old.load_state_dict(legacy)
+    assert old.update_index == 1

@@ -195,6 +195,44 @@ def test_merge_hook_reports_exactly_the_merged_update(wire_dtype):
     assert recorder.drain() is None  # closed: its hook is gone, the step recorded nothing
 
 
+def test_payload_names_the_projection_of_a_resumed_optimizer():
+    """A recorder built before load_state_dict: the checkpoint's projection kind (Gaussian here) is
+    the one the update is merged with, and the one its payload must name. Updates merged with
+    different kinds cannot share a payload."""
+
+    def fresh(**options):
+        model = patch_model(TwoLinear(), target_modules=["up", "down"])
+        return model, LoGRAOptimizer(model, rank=3, update_ratio=1e-2, **options)
+
+    def step(model, optimizer):
+        model(torch.randn(6, 12, generator=torch.Generator().manual_seed(0))).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    checkpoint = fresh(projection="gaussian")[1].state_dict()
+    model, optimizer = fresh()
+    recorder = UpdateRecorder(optimizer)
+    optimizer.load_state_dict(checkpoint)
+    assert optimizer.projection == "gaussian"
+    before = {n: m.weight.detach().double().clone() for n, m in (("up", model.up), ("down", model.down))}
+    step(model, optimizer)
+    payload = recorder.drain()
+    assert payload.projection == "gaussian"
+    for target in payload.updates[0].targets:
+        module = target.name.removesuffix(".weight")
+        expected = merged(before[module], target.factor, projection_of(payload, target))
+        torch.testing.assert_close(getattr(model, module).weight.detach().double(), expected, rtol=0, atol=1e-6)
+
+    step(model, optimizer)  # merged with Gaussian projections
+    optimizer.load_state_dict(fresh()[1].state_dict())  # back to Rademacher, this update still pending
+    step(model, optimizer)
+    assert not recorder.consistent  # VLLMSync sends the full weights instead
+    with pytest.raises(ValueError, match="different .rank, projection, expert_rank. settings"):
+        recorder.drain()
+    recorder.clear()
+    assert recorder.consistent and recorder.drain() is None
+
+
 def test_a_removed_merge_hook_is_not_called():
     model = patch_model(TwoLinear(), target_modules=["up", "down"])
     optimizer = LoGRAOptimizer(model, rank=3, update_ratio=1e-2)

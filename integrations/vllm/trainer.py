@@ -563,6 +563,8 @@ class VLLMSync:
             return self._logged(self.full_sync())
         if self.recorder.pending_bytes > self._full_bytes:
             return self._logged(self.full_sync())  # many updates since the last sync: full weights are smaller
+        if not self.recorder.consistent:  # an optimizer state loaded between pending updates
+            return self._logged(self.full_sync())
         started = time.perf_counter()
         payload = _without(self.recorder.drain(), {name for name, _ in self._whole})
         self.needs_full = True  # until the engine has confirmed: a failed sync loses the drained updates
