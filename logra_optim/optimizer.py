@@ -558,19 +558,17 @@ class LoGRAOptimizer(torch.optim.Optimizer):
     def _refuse_other_targets(self, saved: list[str] | None) -> None:
         """Per-target state is loaded by position, so a checkpoint of other targets (``k_proj``
         where this optimizer has ``v_proj``: in grouped-query attention their shapes agree) would
-        steer one with another's moments. Names may differ by a wrapper's prefix (``module.``).
-        Checkpoints from before the names were saved have none to compare."""
+        steer one with another's moments. The names are the canonical ones (wrappers' prefixes
+        stripped at patch time), which also seed each ``A``: a name that differs in any way would
+        resume with other projections. Checkpoints from before the names were saved have none to
+        compare."""
         if saved is None:
             return
         names = [target.name for target in self._targets]
-
-        def same(a: str, b: str) -> bool:
-            return a == b or a.endswith("." + b) or b.endswith("." + a)
-
         if len(saved) != len(names):
             raise ValueError(f"state_dict was saved with {len(saved)} targets, this optimizer has {len(names)}")
         for index, (theirs, ours) in enumerate(zip(saved, names)):
-            if not same(str(theirs), ours):
+            if str(theirs) != ours:
                 raise ValueError(
                     f"state_dict target {index} is {theirs!r}, this optimizer's is {ours!r}: a checkpoint of other "
                     "targets (patch_model's target_modules) cannot be resumed"

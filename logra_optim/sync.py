@@ -388,22 +388,23 @@ class UpdateRecorder:
 
     @property
     def consistent(self) -> bool:
-        """Whether the pending updates share one projection setting, so that :meth:`drain` can
-        send them as one payload."""
-        return len(set(self._settings)) <= 1
+        """Whether the pending updates can travel as one payload: one projection setting, and
+        consecutive update indices (an optimizer state loaded between them breaks either)."""
+        indices = [update.index for update in self.pending]
+        return len(set(self._settings)) <= 1 and all(b == a + 1 for a, b in zip(indices, indices[1:]))
 
     def drain(self) -> SyncPayload | None:
         """The pending updates as one payload (``None`` if there are none); clears them. Refuses
-        updates merged with different projection settings (an optimizer state loaded between
-        them), which no one payload can describe: the engine then needs the full weights."""
+        updates that are not :attr:`consistent`, which no one payload can describe: the engine
+        then needs the full weights."""
         if not self.pending:
             return None
         settings = set(self._settings)
         if not self.consistent:
             raise ValueError(
-                f"UpdateRecorder: the pending updates {self.pending[0].index}..{self.pending[-1].index} were merged "
-                f"with different (rank, projection, expert_rank) settings {sorted(settings)} (an optimizer state "
-                "loaded between them); send the full weights instead (clear() drops the pending updates)"
+                f"UpdateRecorder: the pending updates {[u.index for u in self.pending]} are not consecutive or were "
+                f"merged with different (rank, projection, expert_rank) settings {sorted(settings)} (an optimizer "
+                "state loaded between them); send the full weights instead (clear() drops the pending updates)"
             )
         ((rank, projection, expert_rank),) = settings
         payload = SyncPayload(rank, projection, tuple(self.pending), expert_rank)

@@ -828,7 +828,7 @@ def test_a_second_param_group_is_refused():
 
 def test_a_checkpoint_of_other_targets_is_refused_naming_them():
     """Per-target state loads by position: k_proj's moments must not steer v_proj (grouped-query
-    attention gives both one shape). A wrapper's prefix on the saved names is not a difference."""
+    attention gives both one shape). Names are compared exactly: they seed the projections too."""
 
     def optimizer(targets):
         model = patch_model(tiny_qwen2(), target_modules=targets)
@@ -847,9 +847,11 @@ def test_a_checkpoint_of_other_targets_is_refused_naming_them():
         other.load_state_dict(saved)
     assert other.update_index == 0 and not other.state  # refused before anything was loaded
     prefixed = copy.deepcopy(saved)
-    prefixed["logra"]["targets"] = ["module." + name for name in saved["logra"]["targets"]]
+    prefixed["logra"]["targets"] = ["base_model.model." + name for name in saved["logra"]["targets"]]
+    with pytest.raises(ValueError, match="target 0 is 'base_model.model.model.layers.0.self_attn.q_proj'"):
+        optimizer(["q_proj", "k_proj"])[1].load_state_dict(prefixed)
     _, same = optimizer(["q_proj", "k_proj"])
-    same.load_state_dict(prefixed)
+    same.load_state_dict(saved)
     assert same.update_index == 1
     legacy = copy.deepcopy(saved)
     del legacy["logra"]["targets"]  # a checkpoint from before the names were saved: nothing to compare

@@ -227,10 +227,14 @@ def test_payload_names_the_projection_of_a_resumed_optimizer():
     optimizer.load_state_dict(fresh()[1].state_dict())  # back to Rademacher, this update still pending
     step(model, optimizer)
     assert not recorder.consistent  # VLLMSync sends the full weights instead
-    with pytest.raises(ValueError, match="different .rank, projection, expert_rank. settings"):
+    with pytest.raises(ValueError, match=r"updates \[2, 1\] are not consecutive or were merged with different"):
         recorder.drain()
     recorder.clear()
     assert recorder.consistent and recorder.drain() is None
+    step(model, optimizer)  # update 2, Rademacher
+    optimizer.load_state_dict(fresh()[1].state_dict())  # the same kind, back to update 0
+    step(model, optimizer)  # update 1 again: a gap the engine's index check would refuse
+    assert [u.index for u in recorder.pending] == [2, 1] and not recorder.consistent
 
 
 def test_a_removed_merge_hook_is_not_called():
