@@ -3,6 +3,7 @@ loopback, and under TRL's GRPOTrainer with ``use_vllm=True``. Tiny Qwen2 (head_d
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import os
@@ -284,6 +285,33 @@ def test_failed_sync_forces_a_full_one_next(llm):
         sync.sync()
     train_step(model, optimizer, generator)
     assert sync.sync()["kind"] == "full"
+    assert max_difference(engine_logprobs(llm), trainer_logprobs(model)) < 1e-4
+    sync.close()
+
+
+def test_an_optimizer_state_loaded_between_syncs_sends_the_full_weights(llm):
+    """A resume in this process after the engine has synced: the updates pending since then, or none,
+    no longer lead from the engine's update to the trainer's. Before, a resume with nothing pending
+    left the engine serving the newer weights without a word."""
+    model, optimizer = _trainer(seed=8)
+    sync = VLLMSync(optimizer, llm, check_every=0)
+    sync.sync()
+    generator = torch.Generator().manual_seed(8)
+    train_step(model, optimizer, generator)
+    saved = copy.deepcopy((model.state_dict(), optimizer.state_dict()))  # at update 1
+    train_step(model, optimizer, generator)
+    assert sync.sync()["kind"] == "compressed"  # the engine holds update 2
+    model.load_state_dict(saved[0])
+    optimizer.load_state_dict(saved[1])  # back to update 1, nothing pending
+    assert sync.sync()["kind"] == "full" and sync.engine_index == 1
+    assert max_difference(engine_logprobs(llm), trainer_logprobs(model)) < 1e-4
+    train_step(model, optimizer, generator)  # update 2 again, pending
+    optimizer.load_state_dict(saved[1])
+    model.load_state_dict(saved[0])
+    train_step(model, optimizer, generator)  # pending: 2, then 2 from the reloaded state
+    assert not sync.recorder.consistent and sync.sync()["kind"] == "full"
+    train_step(model, optimizer, generator)
+    assert sync.sync()["kind"] == "compressed"  # in step again
     assert max_difference(engine_logprobs(llm), trainer_logprobs(model)) < 1e-4
     sync.close()
 

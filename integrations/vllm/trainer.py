@@ -477,6 +477,7 @@ class VLLMSync:
         self.log = log
         self.recorder = UpdateRecorder(optimizer)
         self.needs_full = True
+        self.engine_index: int | None = None  # the update the engine last confirmed it holds
         self.syncs = 0
         self.compressed_since_check = 0
         self.stats: dict[str, Any] = {}
@@ -521,6 +522,7 @@ class VLLMSync:
         sent, engine_seconds = self.engine.full_sync(weights, self.optimizer.update_index, self.shadow_dtype)
         self.recorder.clear()
         self.needs_full = False
+        self.engine_index = self.optimizer.update_index
         self.compressed_since_check = 0
         if self._whole is None:
             self._whole = self._targets_loaded_whole()
@@ -563,7 +565,10 @@ class VLLMSync:
             return self._logged(self.full_sync())
         if self.recorder.pending_bytes > self._full_bytes:
             return self._logged(self.full_sync())  # many updates since the last sync: full weights are smaller
-        if not self.recorder.consistent:  # an optimizer state loaded between pending updates
+        # An optimizer state loaded since the last sync (a resume, in this process) leaves pending updates
+        # that do not lead from the engine's update to the optimizer's, or none where they differ.
+        expected = None if self.engine_index is None else self.engine_index + len(self.recorder.pending)
+        if not self.recorder.consistent or self.optimizer.update_index != expected:
             return self._logged(self.full_sync())
         started = time.perf_counter()
         payload = _without(self.recorder.drain(), {name for name, _ in self._whole})
@@ -571,6 +576,7 @@ class VLLMSync:
         whole = self._tensors_sent_whole() if self._non_targets or self._whole else None
         sent, engine_seconds = self.engine.update(payload, whole, self.optimizer.update_index)
         self.needs_full = False
+        self.engine_index = self.optimizer.update_index
         stats = self._finish("compressed", sent, started, engine_seconds)
         self.compressed_since_check += 1
         if self.check_every and self.compressed_since_check >= self.check_every:
