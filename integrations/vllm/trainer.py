@@ -476,8 +476,9 @@ class VLLMSync:
         self.shadow_dtype = str(shadow_dtype).removeprefix("torch.")
         self.log = log
         self.recorder = UpdateRecorder(optimizer)
-        self.needs_full = True
-        self.engine_index: int | None = None  # the update the engine last confirmed it holds
+        # The update the engine last confirmed it holds; None (before the first sync, after a failed
+        # one, after the engine discarded its weights) makes the next sync a full one.
+        self.engine_index: int | None = None
         self.syncs = 0
         self.compressed_since_check = 0
         self.stats: dict[str, Any] = {}
@@ -507,7 +508,7 @@ class VLLMSync:
 
     def mark_weights_discarded(self) -> None:
         """The engine dropped its weights (``LLM.sleep(level=2)``): the next sync is a full one."""
-        self.needs_full = True
+        self.engine_index = None
 
     def close(self) -> None:
         self.recorder.close()
@@ -518,10 +519,9 @@ class VLLMSync:
         """Send every parameter; the engine is then at the optimizer's current update index."""
         started = time.perf_counter()
         weights = _cpu_copies(self.named_parameters())
-        self.needs_full = True  # until the engine has confirmed
+        self.engine_index = None  # until the engine has confirmed
         sent, engine_seconds = self.engine.full_sync(weights, self.optimizer.update_index, self.shadow_dtype)
         self.recorder.clear()
-        self.needs_full = False
         self.engine_index = self.optimizer.update_index
         self.compressed_since_check = 0
         if self._whole is None:
@@ -561,21 +561,20 @@ class VLLMSync:
     def sync(self) -> dict:
         """Bring the engine to the optimizer's current update (see the class docstring)."""
         self.syncs += 1
-        if self.needs_full or (self.full_every is not None and self.syncs % self.full_every == 0):
+        if self.engine_index is None or (self.full_every is not None and self.syncs % self.full_every == 0):
             return self._logged(self.full_sync())
         if self.recorder.pending_bytes > self._full_bytes:
             return self._logged(self.full_sync())  # many updates since the last sync: full weights are smaller
         # An optimizer state loaded since the last sync (a resume, in this process) leaves pending updates
         # that do not lead from the engine's update to the optimizer's, or none where they differ.
-        expected = None if self.engine_index is None else self.engine_index + len(self.recorder.pending)
+        expected = self.engine_index + len(self.recorder.pending)
         if not self.recorder.consistent or self.optimizer.update_index != expected:
             return self._logged(self.full_sync())
         started = time.perf_counter()
         payload = _without(self.recorder.drain(), {name for name, _ in self._whole})
-        self.needs_full = True  # until the engine has confirmed: a failed sync loses the drained updates
+        self.engine_index = None  # until the engine has confirmed: a failed sync loses the drained updates
         whole = self._tensors_sent_whole() if self._non_targets or self._whole else None
         sent, engine_seconds = self.engine.update(payload, whole, self.optimizer.update_index)
-        self.needs_full = False
         self.engine_index = self.optimizer.update_index
         stats = self._finish("compressed", sent, started, engine_seconds)
         self.compressed_since_check += 1
