@@ -81,6 +81,8 @@ class KLController:
         fsdp2: the modules ``fully_shard`` was applied to, resharded after every probe forward (FSDP2
             keeps the root unsharded after a forward outside backward; a merge writes into the shards).
         stored_low_precision: some target weights are stored in 16 bits.
+        bound: whether the optimizer is still bound to the model's targets; while it is not
+            (:func:`~logra_optim.unpatch_model`), the model's forwards are not recorded.
     """
 
     def __init__(
@@ -90,6 +92,7 @@ class KLController:
         ranks: dp.DataParallel | None,
         fsdp2: Sequence[nn.Module] = (),
         stored_low_precision: bool = False,
+        bound: Callable[[], bool] | None = None,
     ):
         self.model = model
         self.options = options
@@ -101,7 +104,9 @@ class KLController:
         self._explicit: ProbeContexts | None = None
         self._warned_precision = False
         self._stored_low_precision = stored_low_precision  # already warned about at construction
-        self._recorder = ContextRecorder(model, options.probe_samples, options.temperature) if options.enabled else None
+        self._recorder = (
+            ContextRecorder(model, options.probe_samples, options.temperature, bound) if options.enabled else None
+        )
 
     def close(self) -> None:
         """Stop recording contexts from the model's forwards."""

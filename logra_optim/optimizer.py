@@ -11,6 +11,8 @@ schedulers work unchanged; its state is tensors, numbers and strings only.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import time
 import warnings
@@ -36,7 +38,7 @@ from .options import (
     upgrade_param_group,
 )
 from .patching import TargetState, patched_targets, target_state
-from .probe import LogitsFn
+from .probe import AUTOCAST_DEVICE_TYPES, LogitsFn
 from .projection import GENERATOR, ProjectionSpec, projection_key, projection_seed
 from .sketch import SharedProjection, SketchBank, generated
 from .sync import TargetUpdate, Update, rounding_seed
@@ -303,7 +305,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         super().__init__([t.weight for t in targets], defaults)
         self.non_target_optimizer = self._build_non_target_optimizer(non_target_optimizer)
         stored_16_bit = any(t.weight.dtype in (torch.bfloat16, torch.float16) for t in targets)
-        self.kl_control = KLController(model, kl, self._ranks, self._fsdp2, stored_16_bit)
+        self.kl_control = KLController(
+            model, kl, self._ranks, self._fsdp2, stored_16_bit, functools.partial(_all_bound, states)
+        )
 
         self.update_index = 0  # applied updates so far
         self.nonfinite_skips = 0
@@ -468,11 +472,23 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         update: weights and optimizer state stay untouched, a warning is issued and a counter in
         ``stats`` records it.
         """
+        self._refuse_unpatched()
         self._refuse_loss_scaling()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # Outside any autocast region the caller's step may sit in: the update's products (η's Gram
+        # matrices, the merge) are float32 or float64 by design, never 16-bit casts of them.
+        with contextlib.ExitStack() as stack:
+            for device_type in sorted({"cpu"} | {t.weight.device.type for t in self._targets}):
+                if device_type in AUTOCAST_DEVICE_TYPES:
+                    stack.enter_context(torch.autocast(device_type, enabled=False))
+            self._update()
+        return loss
+
+    def _update(self) -> None:
+        """One update from the sketches (:meth:`step` less its closure)."""
         started = time.perf_counter()
         # A forward outside backward (evaluation, generation) can leave FSDP2's root unsharded; the
         # merge writes into the shards, which the next forward must gather again.
@@ -485,7 +501,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             self._skip(
                 f"non-finite sketch (or non-target gradient) at update {self.update_index + 1}", "nonfinite_sketch"
             )
-            return loss
+            return
         self._warn_if_eval_mode()
         plan = self._plan(sharded_sq)
         if not plan.finite():
@@ -494,19 +510,18 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 f"non-finite direction, step size or optimizer state at update {self.update_index + 1}",
                 "nonfinite_plan",
             )
-            return loss
+            return
         try:
             alpha, kl_stats = self._apply(plan)
         except UpdateSkipped as skipped:
             self.probe_skips += 1
             self._skip(str(skipped), skipped.reason)
-            return loss
+            return
         update = self._commit(plan)
         seconds = time.perf_counter() - started
         self.stats = {"alpha": alpha, "eta": plan.mean_eta, **kl_stats, "step_seconds": seconds, **self._counters()}
         for hook in list(self._merge_hooks.values()) if update is not None else ():
             hook(self, update)  # last: the step is complete whatever a hook does
-        return loss
 
     def _commit(self, plan: StepPlan) -> Update | None:
         """After a merge: the optimizer state, the next update's ``A``, empty sketches; returns what was
@@ -572,6 +587,18 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 raise ValueError(
                     f"state_dict target {index} is {theirs!r}, this optimizer's is {ours!r}: a checkpoint of other "
                     "targets (patch_model's target_modules) cannot be resumed"
+                )
+
+    def _refuse_unpatched(self) -> None:
+        for target in self._targets:
+            try:
+                owner = target.state.owner
+            except ValueError:  # the module is not patched any more
+                owner = None
+            if owner is None or owner() is not self:
+                raise RuntimeError(
+                    f"LoGRAOptimizer: target {target.name!r} is no longer bound to this optimizer (unpatch_model "
+                    "was called on the model); build a new optimizer on a patched model"
                 )
 
     def _refuse_loss_scaling(self) -> None:
@@ -885,7 +912,10 @@ def _floats(values: list[torch.Tensor]) -> list[float]:
 
 def _release(states: list[TargetState], control: KLController) -> None:
     for state in states:
-        state.set_projection(None)
-        state.sketch = None
-        state.owner = None
+        state.unbind()
     control.close()
+
+
+def _all_bound(states: list[TargetState]) -> bool:
+    """Whether every target is still bound to an optimizer (not after :func:`unpatch_model`)."""
+    return all(state.owner is not None for state in states)

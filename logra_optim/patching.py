@@ -11,8 +11,8 @@ flag it changed.
 
 from __future__ import annotations
 
+import functools
 import re
-import types
 import warnings
 import weakref
 from collections.abc import Iterable
@@ -94,9 +94,16 @@ class TargetState:
         """Bind the projection (one :class:`SharedProjection` object for siblings sharing ``A``)."""
         self.shared_projection = projection
 
-    def __deepcopy__(self, memo) -> TargetState:
-        # A copied model is a new, unbound model: it must not sketch into this optimizer's buffers.
-        return TargetState(self.name, self.canonical_name, self.weight_requires_grad, self.experts, self.transposed)
+    def unbind(self) -> None:
+        """Release the optimizer: plain forwards from now on, no ``A`` or ``S`` kept alive."""
+        self.shared_projection = None
+        self.sketch = None
+        self.owner = None
+
+    def __reduce__(self):
+        # A copied or pickled model is a new, unbound model: it must not sketch into this
+        # optimizer's buffers (and a weak reference to the optimizer cannot be pickled).
+        return TargetState, (self.name, self.canonical_name, self.weight_requires_grad, self.experts, self.transposed)
 
 
 @dataclass(eq=False)
@@ -214,15 +221,21 @@ def find_target_modules(
     return found
 
 
-def _inputs_require_grad_under_checkpointing(model: nn.Module):
+class _InputsRequireGradUnderCheckpointing:
     """Reentrant gradient checkpointing only builds a graph for a block whose *inputs* require grad;
     with frozen embeddings nothing would (HF's ``enable_input_require_grads`` remedy). Without
     checkpointing the sketched layers keep the graph alive themselves, and making the embedding
-    output require grad would only add a backward through layer 0's inputs that nobody uses."""
-    model_ref = weakref.ref(model)
+    output require grad would only add a backward through layer 0's inputs that nobody uses.
 
-    def hook(module, args, output):
-        model = model_ref()
+    A forward hook of the input embedding that reads the model's ``is_gradient_checkpointing``. A
+    deep copy of the model gets one that reads the copy; a pickled model one that does nothing
+    (transformers' own ``gradient_checkpointing_enable`` adds the same remedy)."""
+
+    def __init__(self, model: nn.Module | None):
+        self._model = None if model is None else weakref.ref(model)
+
+    def __call__(self, module, args, output) -> None:
+        model = None if self._model is None else self._model()
         if (
             model is not None
             and getattr(model, "is_gradient_checkpointing", False)
@@ -232,7 +245,12 @@ def _inputs_require_grad_under_checkpointing(model: nn.Module):
         ):
             output.requires_grad_(True)
 
-    return hook
+    def __deepcopy__(self, memo) -> _InputsRequireGradUnderCheckpointing:
+        model = None if self._model is None else self._model()
+        return _InputsRequireGradUnderCheckpointing(memo.get(id(model), model))
+
+    def __reduce__(self):
+        return _InputsRequireGradUnderCheckpointing, (None,)
 
 
 def find_experts_modules(model: nn.Module) -> list[tuple[str, nn.Module, tuple[str, str]]]:
@@ -302,7 +320,7 @@ def patch_model(
         embeddings = getattr(model, "get_input_embeddings", None)
         embedding = embeddings() if callable(embeddings) else None
         if isinstance(embedding, nn.Module):
-            record.hooks.append(embedding.register_forward_hook(_inputs_require_grad_under_checkpointing(model)))
+            record.hooks.append(embedding.register_forward_hook(_InputsRequireGradUnderCheckpointing(model)))
         model._logra_patch = record
     for name, module in targets:
         if hasattr(module, "_logra"):
@@ -313,7 +331,7 @@ def patch_model(
             weight_requires_grad=module.weight.requires_grad,
         )
         module.weight.requires_grad_(False)
-        module.forward = types.MethodType(_patched_forward, module)
+        module.forward = functools.partial(_patched_forward, module)
     for name, module, names in expert_modules:
         if hasattr(module, "_logra_experts"):
             continue
@@ -326,7 +344,7 @@ def patch_model(
             )
             weight.requires_grad_(False)
         module._logra_experts = ExpertsPatch(names, states)
-        module.forward = types.MethodType(_patched_experts_forward, module)
+        module.forward = functools.partial(_patched_experts_forward, module)
     if freeze_non_targets and first_patch:  # a second call leaves flags the user changed since alone
         target_weights = {id(getattr(m, attribute)) for _, m, attribute in patched_targets(model)}
         for name, param in model.named_parameters():
@@ -392,6 +410,7 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     for _, module in patched_modules(model):
         target: TargetState = module._logra
         module.weight.requires_grad_(target.weight_requires_grad)
+        target.unbind()  # an optimizer still alive stops recording this model's forwards
         del module.forward
         del module._logra
     for _, module in model.named_modules():
@@ -399,6 +418,7 @@ def unpatch_model(model: nn.Module) -> nn.Module:
         if isinstance(patch, ExpertsPatch):
             for attribute, state in patch.states.items():
                 getattr(module, attribute).requires_grad_(state.weight_requires_grad)
+                state.unbind()
             del module.forward
             del module._logra_experts
     record: PatchRecord | None = getattr(model, "_logra_patch", None)

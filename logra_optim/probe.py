@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import types
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -200,29 +201,45 @@ class ContextRecorder:
     """Keeps ``samples`` sequences (spread over the batch; ``None``: all) of a model's latest training forward.
 
     A forward pre-hook sees the batch (``input_ids``, ``attention_mask``, ``labels``) of every
-    forward in train mode with grad enabled, so the two-line usage needs no extra call.
+    forward in train mode with grad enabled, so the two-line usage needs no extra call. ``active``
+    says whether the optimizer is still bound to the model (not after
+    :func:`~logra_optim.unpatch_model`); while it is not, nothing is recorded. A batch the probe
+    could not run as the forward did (a 4-D attention mask, positions other than ``0, 1, …`` as in
+    packed sequences) is not recorded: the contexts are cleared, with a warning once, so that no
+    step probes an older batch instead.
     """
 
-    def __init__(self, model: nn.Module, samples: int | None, temperature: float):
+    def __init__(
+        self, model: nn.Module, samples: int | None, temperature: float, active: Callable[[], bool] | None = None
+    ):
         self.samples = samples
         self.temperature = temperature
+        self.active = active or (lambda: True)
         self.latest: ProbeContexts | None = None
-        recorder = weakref.ref(self)
+        self._warned = False
+        self.handle = model.register_forward_pre_hook(_RecordingHook(self, model), with_kwargs=True)
 
-        def hook(module, args, kwargs):
-            self_ = recorder()
-            if self_ is not None and module.training and torch.is_grad_enabled():
-                self_._record(args, kwargs)
-
-        self.handle = model.register_forward_pre_hook(hook, with_kwargs=True)
-
-    def _record(self, args, kwargs) -> None:
+    def record(self, args, kwargs) -> None:
+        """Record the probe contexts of one forward's arguments."""
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
             return
+        attention_mask, position_ids = kwargs.get("attention_mask"), kwargs.get("position_ids")
+        unreplayable = _unreplayable(input_ids, attention_mask, position_ids)
+        if unreplayable:
+            self.latest = None
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"KL probe contexts: a training forward with {unreplayable} is not recorded, since the "
+                    "probe runs input_ids with a 2-D attention_mask only; give the contexts with "
+                    "optimizer.set_probe_contexts(input_ids, attention_mask, probe_mask)",
+                    stacklevel=3,
+                )
+            return
         self.latest = contexts_from_batch(
             input_ids,
-            kwargs.get("attention_mask"),
+            attention_mask,
             kwargs.get("labels"),
             kwargs.get("completion_mask"),
             self.samples,
@@ -231,6 +248,43 @@ class ContextRecorder:
 
     def remove(self) -> None:
         self.handle.remove()
+
+
+def _unreplayable(input_ids: torch.Tensor, attention_mask, position_ids) -> str | None:
+    """What of a forward's arguments the probe's ``model(input_ids, attention_mask)`` would not
+    reproduce, or ``None``."""
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.shape != input_ids.shape:
+        return f"a {attention_mask.dim()}-D attention_mask of shape {tuple(attention_mask.shape)}"
+    if isinstance(position_ids, torch.Tensor):
+        default = torch.arange(input_ids.shape[1], device=position_ids.device)
+        if position_ids.shape[-1] != input_ids.shape[1] or not bool((position_ids == default).all()):
+            return "position_ids other than 0, 1, … in every row (packed sequences)"
+    return None
+
+
+class _RecordingHook:
+    """The forward pre-hook of a :class:`ContextRecorder`. A copy of the model (``copy.deepcopy``,
+    pickle) gets an inert copy of it: the copy is a new, unbound model, whose forwards must not
+    feed this optimizer's probe. It records only forwards of the model it was registered on (a
+    shallow copy shares the hook)."""
+
+    def __init__(self, recorder: ContextRecorder | None, model: nn.Module | None):
+        self._recorder = None if recorder is None else weakref.ref(recorder)
+        self._model = None if model is None else weakref.ref(model)
+
+    def __call__(self, module, args, kwargs) -> None:
+        recorder = None if self._recorder is None else self._recorder()
+        if (
+            recorder is not None
+            and module is self._model()
+            and module.training
+            and torch.is_grad_enabled()
+            and recorder.active()
+        ):
+            recorder.record(args, kwargs)
+
+    def __reduce__(self):
+        return _RecordingHook, (None, None)
 
 
 def default_logits_fn(model: nn.Module, contexts: ProbeContexts) -> torch.Tensor:
@@ -403,10 +457,14 @@ def inference_environment(model: nn.Module) -> Iterator[None]:
             model.forward = wrapped_forward
 
 
+# Device types that torch.autocast accepts (an autocast region elsewhere is not possible).
+AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu")
+
+
 def _autocast_device_types(model: nn.Module) -> list[str]:
     """The device types of the model's parameters (and CPU) that an autocast region may cover."""
     types_ = {"cpu"} | {p.device.type for p in model.parameters()}
-    return sorted(t for t in types_ if t in ("cpu", "cuda", "xpu", "mps", "hpu"))
+    return sorted(t for t in types_ if t in AUTOCAST_DEVICE_TYPES)
 
 
 def _probe_logits(model, contexts, logits_fn) -> torch.Tensor:

@@ -221,3 +221,23 @@ def test_engine_copy_of_a_bf16_trainer_is_bit_identical(engine_dtype):
         assert torch.equal(copies["engine"][name], target.weight.detach().to(engine_dtype)), name
         assert not bool(copies["compensation"][name].any())  # no compensation: the trainer rounds itself
     assert any(not torch.equal(copies["start"][t.parameter_name].bfloat16(), t.weight) for t in opt.targets)
+
+
+@pytest.mark.parametrize("kl_budget", [None, 1e-4])
+def test_a_step_inside_an_autocast_region_computes_in_full_precision(kl_budget):
+    """``opt.step()`` called inside ``torch.autocast`` (a training loop that wraps the whole
+    iteration): the update's products (``η``'s Gram matrices, kept for the projection's lifetime;
+    the merge) stay fp32/fp64, so the weights come out as from a step outside it, bit for bit."""
+    batch = fixed_batch()
+    weights = []
+    for inside in (False, True):
+        model = patch_model(tiny_qwen2())
+        model.train()
+        opt = LoGRAOptimizer(model, rank=4, kl_budget=kl_budget, update_ratio=6e-5)
+        for _ in range(2):
+            model(**batch).loss.backward()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=inside):
+                opt.step()
+            opt.zero_grad()
+        weights.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*weights))

@@ -286,6 +286,47 @@ def test_deep_copy_of_a_bound_model_is_unbound():
     assert all(not s.any() for s in opt.sketch_buffers())
 
 
+def test_a_deep_copy_does_not_feed_the_optimizers_probe():
+    model = patch_model(tiny_qwen2())
+    model.train()
+    opt = LoGRAOptimizer(model, rank=3, kl_budget=1e-3)
+    model(**fixed_batch(seed=1))
+    recorded = opt.kl_control.contexts().input_ids.clone()
+    twin = copy.deepcopy(model)
+    twin(**fixed_batch(seed=2))
+    assert torch.equal(opt.kl_control.contexts().input_ids, recorded)
+    twin_opt = LoGRAOptimizer(twin, rank=3, kl_budget=1e-3)
+    twin(**fixed_batch(seed=2))
+    assert torch.equal(opt.kl_control.contexts().input_ids, recorded)
+    assert not torch.equal(twin_opt.kl_control.contexts().input_ids, recorded)
+
+
+def test_a_bound_model_pickles_as_a_patched_unbound_one(batch, tmp_path):
+    """``torch.save(model)`` (and multiprocessing) pickle the model: its patched forwards and hooks
+    must pickle, and the loaded copy is patched but bound to no optimizer, as a deep copy is."""
+    model = patch_model(tiny_qwen2())
+    model.train()
+    opt = LoGRAOptimizer(model, rank=3, kl_budget=1e-3)
+    model(**batch)
+    recorded = opt.kl_control.contexts().input_ids.clone()
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert [n for n, _ in patched_modules(loaded)] == [n for n, _ in patched_modules(model)]
+    loaded.eval()
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(**batch).logits, model(**batch).logits)
+    loaded.train()
+    with OutputShapes() as ops:
+        loaded(**fixed_batch(seed=5))
+    assert not ops.projected_inputs(3)  # unbound: no sketch work, nothing recorded for opt
+    assert torch.equal(opt.kl_control.contexts().input_ids, recorded)
+    loaded_opt = LoGRAOptimizer(loaded, rank=3, lr=1.0)
+    loaded(**batch).loss.backward()
+    assert any(s.any() for s in loaded_opt.sketch_buffers())
+    loaded_opt.step()
+
+
 # --------------------------------------------------------------------------------------------------
 # How models are run
 

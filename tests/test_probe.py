@@ -14,7 +14,7 @@ import torch.nn as nn
 from hypothesis import given
 from hypothesis import strategies as st
 
-from logra_optim import LoGRAOptimizer, attention, control, patch_model, probe, tangents
+from logra_optim import LoGRAOptimizer, attention, control, patch_model, probe, tangents, unpatch_model
 from tests.helpers.recorders import OutputShapes
 from logra_optim.probe import (
     ProbeContexts,
@@ -177,6 +177,44 @@ def test_set_probe_contexts_validates_shapes_and_copies():
     before = opt.kl_control.contexts().input_ids.clone()
     input_ids.fill_(0)  # the caller reuses its buffer
     assert torch.equal(opt.kl_control.contexts().input_ids, before)
+
+
+def test_forwards_the_probe_cannot_replay_are_not_recorded():
+    """A 4-D attention mask or packed positions: the probe runs ``model(input_ids, attention_mask)``
+    and would compute other logits (or fail). The training forward goes through; the contexts are
+    cleared with a warning, so the step asks for explicit ones instead of probing an older batch."""
+    model = patch_model(tiny_qwen2())
+    model.train()
+    opt = LoGRAOptimizer(model, rank=4, kl_budget=1e-3)
+    batch = fixed_batch(batch=2)
+    seq = batch["input_ids"].shape[1]
+    model(**batch, position_ids=torch.arange(seq).expand(2, seq))  # the default positions: recorded
+    assert torch.equal(opt.kl_control.contexts().input_ids, batch["input_ids"])
+    causal = torch.ones(seq, seq).tril().bool().expand(2, 1, seq, seq)
+    with pytest.warns(UserWarning, match="4-D attention_mask"):
+        model(**batch, attention_mask=causal).loss.backward()
+    with pytest.raises(RuntimeError, match="no probe contexts"):
+        opt.kl_control.contexts()
+    packed = torch.cat((torch.arange(5), torch.arange(seq - 5))).expand(2, seq)
+    model(**batch)
+    model(**batch, position_ids=packed)  # warned once per recorder: no second warning
+    with pytest.raises(RuntimeError, match="no probe contexts"):
+        opt.step()
+    assert opt.update_index == 0
+
+
+def test_a_model_unpatched_under_a_live_optimizer_is_not_recorded_and_its_step_refused():
+    model = patch_model(tiny_qwen2())
+    model.train()
+    opt = LoGRAOptimizer(model, rank=4, kl_budget=1e-3)
+    first, second = fixed_batch(seed=1), fixed_batch(seed=2)
+    model(**first)
+    unpatch_model(model)
+    model(**second)
+    # The recorder stopped at the unpatch: the contexts are still the first batch's (rows 0 and 2 of 4).
+    assert torch.equal(opt.kl_control.contexts().input_ids, first["input_ids"][[0, 2]])
+    with pytest.raises(RuntimeError, match="no longer bound to this optimizer"):
+        opt.step()
 
 
 def test_explicit_contexts_and_temperature(fitted_model):
