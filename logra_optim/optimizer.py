@@ -314,6 +314,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self.probe_skips = 0
         self.stats: dict[str, Any] = {}
         self._warned_eval_mode = False
+        self._checked_reach = False
         self._bank = SketchBank(
             [(t.shape[0], options.rank_for(t.experts)) for t in targets], [t.weight.device for t in targets]
         )
@@ -503,6 +504,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             )
             return
         self._warn_if_eval_mode()
+        self._warn_about_unreached_targets()
         plan = self._plan(sharded_sq)
         if not plan.finite():
             self.nonfinite_skips += 1
@@ -736,6 +738,27 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             RuntimeWarning,
             stacklevel=5,
         )
+
+    def _warn_about_unreached_targets(self) -> None:
+        """Once, at the first update whose sketches hold anything: name the targets whose sketch is
+        exactly zero. No gradient reached them (a reentrant checkpoint whose inputs do not require
+        grad, a module outside the loss's graph), so their weights would silently never train."""
+        if self._checked_reach:
+            return
+        unreached = [t.name for t, view in zip(self._targets, self._bank.views) if not bool(view.any())]
+        if len(unreached) == len(self._targets):  # empty sketches: nothing to tell yet
+            return
+        self._checked_reach = True
+        if unreached:
+            names = ", ".join(unreached[:6]) + (" …" if len(unreached) > 6 else "")
+            warnings.warn(
+                f"LoGRA: {len(unreached)} of {len(self._targets)} targets received no gradient in this update "
+                f"({names}), so their weights do not change. With reentrant gradient checkpointing, the "
+                "checkpointed blocks' inputs must require grad (use use_reentrant=False, or transformers' "
+                "gradient_checkpointing_enable)",
+                RuntimeWarning,
+                stacklevel=5,
+            )
 
     # ----------------------------------------------------------------------------------------------
     # Projections and data parallelism (see :mod:`.distributed`)

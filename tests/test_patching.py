@@ -5,6 +5,7 @@ generate)."""
 from __future__ import annotations
 
 import copy
+import functools
 import re
 import warnings
 
@@ -329,6 +330,34 @@ def test_a_bound_model_pickles_as_a_patched_unbound_one(batch, tmp_path):
 
 # --------------------------------------------------------------------------------------------------
 # How models are run
+
+
+def test_targets_no_gradient_reached_are_named_once(batch):
+    """torch's reentrant checkpoint wrapper on one decoder layer: its inputs do not require grad
+    (frozen embeddings), so its targets get no gradient. The first update names them."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    model = patch_model(tiny_qwen2())
+    first = model.model.layers[0]
+    wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.REENTRANT)
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper, check_fn=lambda module: module is first)
+    opt = LoGRAOptimizer(model, rank=3, lr=1e-3)
+    model.train()
+    for update in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(**batch).loss.backward()
+            opt.step()
+        opt.zero_grad()
+        named = [str(w.message) for w in caught if "received no gradient" in str(w.message)]
+        if update == 0:
+            assert len(named) == 1 and "7 of 14 targets" in named[0] and "layers.0." in named[0]
+        else:
+            assert not named  # once
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False])
