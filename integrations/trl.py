@@ -29,6 +29,7 @@ Against a server with TRL's ``nccl`` backend nothing changes and TRL's full sync
 from __future__ import annotations
 
 import inspect
+import json
 import math
 import os
 import warnings
@@ -203,6 +204,7 @@ def attach_logra(
             "gradient to clip, and the update size is set by kl_budget/update_ratio",
             stacklevel=2,
         )
+        _disable_deepspeed_clipping_from(trainer, trainer.args.max_grad_norm)
         trainer.args.max_grad_norm = 0.0
 
     deepspeed = getattr(trainer, "is_deepspeed_enabled", False)  # then LoGRA runs beside the engine, unscheduled
@@ -232,6 +234,7 @@ def attach_logra(
     if vllm_sync != "full" and getattr(trainer, "use_vllm", False):
         _use_compressed_vllm_sync(trainer, callback, {} if vllm_sync == "compressed" else dict(vllm_sync))
     trainer.add_callback(callback)
+    _load_what_resume_skips(trainer)
     _feed_mismatch_from_batches(trainer, callback)
     _add_stats_to_logs(trainer, callback)
     return callback
@@ -366,11 +369,79 @@ def _attach_beside_deepspeed(trainer: Trainer, callback: LoGRACallback, optimize
     trainer._load_optimizer_and_scheduler = load_with_logra
 
 
-def _deepspeed_fp16(trainer: Trainer) -> bool:
+def _load_what_resume_skips(trainer: Trainer) -> None:
+    """Since transformers 5, checkpoints are written in the Hub's layout, where mixture-of-experts
+    models keep each expert's matrices apart; ``Trainer``'s resume loads them with
+    ``load_state_dict``, which does not stack them back into the model's expert weights
+    (transformers#48805). Those weights would restart from their initial values while the optimizer
+    state resumes. After the trainer's own load, every parameter it did not find under its name is
+    loaded through ``from_pretrained``, which converts the layout (a second copy of the model, on
+    the CPU, for the duration of the load)."""
+    load = trainer._load_from_checkpoint
+
+    def load_and_convert(resume_from_checkpoint, model=None):
+        load(resume_from_checkpoint, model)
+        model = _unwrap(trainer.model if model is None else model)
+        stored = _checkpoint_keys(resume_from_checkpoint)
+        if stored is None or not hasattr(type(model), "from_pretrained"):
+            return
+        missing = [name for name, _ in model.named_parameters() if name not in stored]
+        if not missing:
+            return
+        converted = dict(type(model).from_pretrained(resume_from_checkpoint, device_map="cpu").named_parameters())
+        absent = [name for name in missing if name not in converted]
+        if absent:
+            raise RuntimeError(
+                f"attach_logra: resuming from {resume_from_checkpoint}, whose weights lack {absent[:4]} even "
+                "in the model's own layout; those parameters would restart from their initial values"
+            )
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name in missing:
+                    parameter.copy_(converted[name])
+        warnings.warn(
+            f"attach_logra: resuming from {resume_from_checkpoint}: loaded {len(missing)} parameters "
+            f"({', '.join(missing[:3])}{', …' if len(missing) > 3 else ''}) that the trainer's resume skips, "
+            "through from_pretrained (the checkpoint stores them in the Hub's per-expert layout, transformers#48805)",
+            stacklevel=2,
+        )
+
+    trainer._load_from_checkpoint = load_and_convert
+
+
+def _checkpoint_keys(directory: str) -> set[str] | None:
+    """The tensor names of a checkpoint's safetensors weights (one file or an index), or ``None``."""
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as file:
+            return set(json.load(file)["weight_map"])
+    single = os.path.join(directory, "model.safetensors")
+    if os.path.isfile(single):
+        from safetensors import safe_open
+
+        with safe_open(single, framework="pt") as file:
+            return set(file.keys())
+    return None
+
+
+def _deepspeed_config(trainer: Trainer) -> dict:
+    """The DeepSpeed config the engine will be built from (empty without DeepSpeed)."""
     plugin = getattr(getattr(trainer, "accelerator", None), "state", None)
     plugin = getattr(plugin, "deepspeed_plugin", None)
-    config = getattr(plugin, "deepspeed_config", None) or {}
-    return bool(config.get("fp16", {}).get("enabled") is True)
+    return getattr(plugin, "deepspeed_config", None) or {}
+
+
+def _deepspeed_fp16(trainer: Trainer) -> bool:
+    return bool(_deepspeed_config(trainer).get("fp16", {}).get("enabled") is True)
+
+
+def _disable_deepspeed_clipping_from(trainer: Trainer, max_grad_norm: float) -> None:
+    """transformers fills a DeepSpeed config's ``"gradient_clipping": "auto"`` from ``max_grad_norm``
+    when the training arguments are built, before attach_logra runs: a clipping value equal to it
+    came from there (or says the same) and is disabled with it."""
+    config = _deepspeed_config(trainer)
+    if config.get("gradient_clipping") == max_grad_norm:
+        config["gradient_clipping"] = 0.0
 
 
 def _unwrap(model):

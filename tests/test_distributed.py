@@ -298,6 +298,7 @@ def test_grpo_trainer_on_two_ranks(engine, tmp_path):
     for seen in (first, second):
         assert seen["update_index"] == 3
         assert seen["zero3"] == (engine == "zero3")
+        assert seen["clipping"] == (None if engine == "ddp" else 0.0)  # "auto": disabled with max_grad_norm
         assert seen["moved"] > 1e-4  # every target moved
         assert len(seen["alphas"]) == 3 and all(0 < a < 10 for a in seen["alphas"])
         assert all(q > 0 for q in seen["predicted_kl"])

@@ -279,6 +279,33 @@ def test_resume_from_checkpoint_is_bit_identical(kind, tmp_path):
     assert rewards(resumed) == rewards(uninterrupted)
 
 
+def test_a_mixture_of_experts_resumes_with_its_experts(tmp_path):
+    """transformers writes the experts of a checkpoint per expert and its Trainer resumes them with
+    ``load_state_dict``, which leaves the model's stacked expert weights as they were built
+    (transformers#48805). attach_logra loads them through ``from_pretrained``: the resumed run ends
+    bit-identical to the run that saved the checkpoint."""
+    path = setup.save_policy(tmp_path / "policy", build=setup.build_moe_policy)
+    config = dict(max_steps=4, gradient_accumulation_steps=2)
+
+    def train(out, resume=None, **overrides):
+        trainer = setup.build_trainer("grpo", path, tmp_path / out, **config, **overrides)
+        quiet_attach(trainer)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train(resume_from_checkpoint=resume)
+        return trainer, [str(w.message) for w in caught if "the trainer's resume skips" in str(w.message)]
+
+    checkpointed, none = train("checkpointed", save_strategy="steps", save_steps=2)
+    assert not none
+    resumed, loaded = train("resumed", resume=str(tmp_path / "checkpointed" / "checkpoint-2"))
+    assert len(loaded) == 1 and "experts" in loaded[0]
+    expected = setup.parameters(checkpointed.model)
+    got = setup.parameters(resumed.model)
+    assert any("experts" in name for name in expected)
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+
+
 # ---------------------------------------------------------------------------------------------------
 # Learning
 
@@ -602,3 +629,59 @@ def test_warmup_is_kept_when_the_decay_is_dropped(tmp_path):
     trainer.train()
     ratios = _logged_ratios(trainer)
     assert ratios[0] < ratios[-1] == pytest.approx(5e-2)  # warming up, then constant
+
+
+class _RoutingAndKL(TrainerCallback):
+    """Around each optimizer step: the KL the update moved the probe contexts by (their mean over
+    probe positions, as the budget is) and how many probe positions changed experts in any layer."""
+
+    def __init__(self):
+        self.trainer, self.updates = None, []
+
+    def _run(self, contexts):
+        from logra_optim.probe import inference_environment
+
+        model, routes = self.trainer.model, []
+        experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
+        hooks = [m.register_forward_hook(lambda m, args, out: routes.append(args[1].sort(-1).values)) for m in experts]
+        with inference_environment(model):
+            logits = model(input_ids=contexts.input_ids, attention_mask=contexts.attention_mask, use_cache=False)
+        for hook in hooks:
+            hook.remove()
+        return torch.log_softmax(logits.logits.double() / contexts.temperature, -1), routes
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.contexts = logra_optimizer(self.trainer).kl_control.contexts()
+        self.before = self._run(self.contexts)
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        (before, routes_before), (after, routes_after) = self.before, self._run(self.contexts)
+        mask = self.contexts.probe_mask
+        kl = (before.exp() * (before - after)).sum(-1)[mask].mean()
+        moved = torch.stack([(b != a).any(-1).view(mask.shape) for b, a in zip(routes_before, routes_after)])
+        self.updates.append((float(kl), int((moved.any(0) & mask).sum())))
+
+
+def test_mixture_of_experts_routing_changes_escape_the_probe_and_the_realised_check_catches_them(tmp_path):
+    """The JVP probe predicts the KL of a step with every token kept on its experts (top-k routing is
+    piecewise constant). Over 8 GRPO updates of the tiny Qwen3-MoE at a budget of 1e-4, the updates
+    where no probe position changed experts move the probe contexts by the budget, and at least one
+    update reroutes a position and moves them far beyond it (docs/method.md, "Mixture of experts").
+    With ``realised_kl_check`` every update stays within its tolerance. ``-s`` prints both runs."""
+    budget = 1e-4
+    runs = {}
+    for check in (False, True):
+        meter = _RoutingAndKL()
+        trainer = setup.build_trainer(
+            "grpo", setup.build_moe_policy(), tmp_path / f"check-{check}", callbacks=[meter], max_steps=8
+        )
+        meter.trainer = trainer
+        quiet_attach(trainer, kl_budget=budget, realised_kl_check=check)
+        trainer.train()
+        runs[check] = meter.updates
+        print(f"realised_kl_check={check}: (KL / budget, rerouted probe positions) per update:")
+        print("  " + ", ".join(f"({kl / budget:.2f}, {moved})" for kl, moved in meter.updates))
+    unchecked, checked = runs[False], runs[True]
+    assert all(0.9 <= kl / budget <= 1.1 for kl, moved in unchecked if moved == 0)
+    assert any(moved > 0 and kl / budget > 3 for kl, moved in unchecked)
+    assert all(kl / budget <= 1.1 for kl, _ in checked)

@@ -39,6 +39,7 @@ def deepspeed_config(stage: int) -> dict:
     return {
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",  # transformers fills it from max_grad_norm, which attach_logra disables
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
@@ -98,6 +99,7 @@ def main() -> None:
         "alphas": [entry["logra/alpha"] for entry in logs],
         "predicted_kl": [entry["logra/predicted_kl"] for entry in logs],
         "zero3": any(hasattr(m.weight, "ds_tensor") for _, m in patched_modules(model)),
+        "clipping": trainer.model_wrapped.gradient_clipping() if engine != "ddp" else None,
     }
     # Checkpoint every 2 steps; a fresh trainer resumes from checkpoint-2 and takes step 3.
     checkpointed = os.path.join(out, "checkpointed")
