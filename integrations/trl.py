@@ -374,31 +374,40 @@ def _load_what_resume_skips(trainer: Trainer) -> None:
     models keep each expert's matrices apart; ``Trainer``'s resume loads them with
     ``load_state_dict``, which does not stack them back into the model's expert weights
     (transformers#48805). Those weights would restart from their initial values while the optimizer
-    state resumes. After the trainer's own load, every parameter it did not find under its name is
-    loaded through ``from_pretrained``, which converts the layout (a second copy of the model, on
-    the CPU, for the duration of the load)."""
+    state resumes. After the trainer's own load, every parameter it did not find under any of its
+    names is loaded through ``from_pretrained``, which converts the layout (a second copy of the
+    model, on the CPU of each process, while it loads). FSDP and DeepSpeed resume from their own
+    checkpoints, in the model's layout, and are left alone."""
     load = trainer._load_from_checkpoint
 
     def load_and_convert(resume_from_checkpoint, model=None):
         load(resume_from_checkpoint, model)
+        if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False):
+            return
         model = _unwrap(trainer.model if model is None else model)
         stored = _checkpoint_keys(resume_from_checkpoint)
         if stored is None or not hasattr(type(model), "from_pretrained"):
             return
-        missing = [name for name, _ in model.named_parameters() if name not in stored]
+        names: dict[int, list[str]] = {}
+        for name, parameter in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(parameter), []).append(name)
+        missing = [aliases[0] for aliases in names.values() if not any(name in stored for name in aliases)]
         if not missing:
             return
-        converted = dict(type(model).from_pretrained(resume_from_checkpoint, device_map="cpu").named_parameters())
-        absent = [name for name in missing if name not in converted]
+        converted, info = type(model).from_pretrained(
+            resume_from_checkpoint, device_map="cpu", output_loading_info=True
+        )
+        absent = [name for name in missing if name in set(info["missing_keys"])]
         if absent:
             raise RuntimeError(
-                f"attach_logra: resuming from {resume_from_checkpoint}, whose weights lack {absent[:4]} even "
-                "in the model's own layout; those parameters would restart from their initial values"
+                f"attach_logra: resuming from {resume_from_checkpoint}, whose weights lack {absent[:4]} in "
+                "any layout transformers converts; those parameters would restart from their initial values"
             )
+        converted = dict(converted.named_parameters(remove_duplicate=False))
+        parameters = dict(model.named_parameters(remove_duplicate=False))
         with torch.no_grad():
-            for name, parameter in model.named_parameters():
-                if name in missing:
-                    parameter.copy_(converted[name])
+            for name in missing:
+                parameters[name].copy_(converted[name])
         warnings.warn(
             f"attach_logra: resuming from {resume_from_checkpoint}: loaded {len(missing)} parameters "
             f"({', '.join(missing[:3])}{', …' if len(missing) > 3 else ''}) that the trainer's resume skips, "

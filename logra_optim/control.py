@@ -261,7 +261,7 @@ class KLController:
                 "probe and the realised-KL check compare logits whose rounding is of the size of a small step's "
                 "change. Prefer probe='jvp' without realised_kl_check, or compute in fp32",
                 RuntimeWarning,
-                stacklevel=7,  # user → torch's step wrapper → no_grad → step → _apply → choose → here
+                stacklevel=8,  # user → torch's step wrapper → no_grad → step → _update → _apply → choose → here
             )
 
     def check_realised(self, choice: StepChoice, apply: Callable[[float], None], undo: Callable[[], None]) -> float:
@@ -304,7 +304,7 @@ class KLController:
                 f"LoGRA: realised KL {realised:.3g} exceeds the budget {choice.budget:.3g} after "
                 f"{options.realised_kl_retries} retries",
                 RuntimeWarning,
-                stacklevel=6,  # user → torch's step wrapper → no_grad → step → _apply → here
+                stacklevel=7,  # user → torch's step wrapper → no_grad → step → _update → _apply → here
             )
         stats["alpha_after_check"] = alpha
         stats["predicted_step_kl"] = alpha**2 * stats["predicted_kl"]

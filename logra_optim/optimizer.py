@@ -322,6 +322,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             target.state.sketch = sketch
             target.state.owner = weakref.ref(self)
             target.state.sketched_in_16_bit = False
+            target.state.forwarded = target.state.reached = False
         # Raised for good once 16-bit products reach the sketches: the first moment keeps their noise.
         self.polar_floor = POLAR_FLOOR
         self._bind_projections()
@@ -457,6 +458,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the sketches (and the non-target optimizer's gradients)."""
+        self._refuse_unpatched()
         self._clear_sketches()
         super().zero_grad(set_to_none=set_to_none)
         if self.non_target_optimizer is not None:
@@ -592,6 +594,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 )
 
     def _refuse_unpatched(self) -> None:
+        """A model unpatched after this optimizer was built has no sketches to read or clear: say so,
+        instead of failing in the first lookup of a target's state."""
         for target in self._targets:
             try:
                 owner = target.state.owner
@@ -716,7 +720,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
     # decorator and step() itself.
     def _skip(self, why: str, reason: str) -> None:
         warnings.warn(
-            f"LoGRA: {why}; update skipped, weights and optimizer state unchanged", RuntimeWarning, stacklevel=5
+            f"LoGRA: {why}; update skipped, weights and optimizer state unchanged", RuntimeWarning, stacklevel=6
         )
         self.zero_grad()
         self.stats = {"skipped": reason, **self._counters()}
@@ -736,28 +740,32 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             "LoGRA: step() with empty sketches while the model is in eval mode: patched layers accumulate "
             "sketches only in train mode with grad enabled; call model.train() before the training forward",
             RuntimeWarning,
-            stacklevel=5,
+            stacklevel=6,  # user → torch's step wrapper → no_grad → step → _update → here
         )
 
     def _warn_about_unreached_targets(self) -> None:
-        """Once, at the first update whose sketches hold anything: name the targets whose sketch is
-        exactly zero. No gradient reached them (a reentrant checkpoint whose inputs do not require
-        grad, a module outside the loss's graph), so their weights would silently never train."""
+        """Once, at the first update after a train-mode forward: name the targets that were forwarded
+        but whose sketch no backward reached. No gradient reached them (a reentrant checkpoint whose
+        inputs do not require grad, a module outside the loss's graph), so their weights would
+        silently never train. Read from flags the patched layers set, so that a target no token
+        reached (an idle expert, a vision tower on text) is not named. Stacked experts are not
+        checked."""
         if self._checked_reach:
             return
-        unreached = [t.name for t, view in zip(self._targets, self._bank.views) if not bool(view.any())]
-        if len(unreached) == len(self._targets):  # empty sketches: nothing to tell yet
+        states = [t.state for t in self._targets]
+        if not any(state.forwarded for state in states):
             return
         self._checked_reach = True
+        unreached = [t.name for t, state in zip(self._targets, states) if state.forwarded and not state.reached]
         if unreached:
             names = ", ".join(unreached[:6]) + (" …" if len(unreached) > 6 else "")
             warnings.warn(
-                f"LoGRA: {len(unreached)} of {len(self._targets)} targets received no gradient in this update "
-                f"({names}), so their weights do not change. With reentrant gradient checkpointing, the "
+                f"LoGRA: {len(unreached)} of {len(self._targets)} targets ran a training forward but received no "
+                f"gradient ({names}), so their weights do not change. With reentrant gradient checkpointing, the "
                 "checkpointed blocks' inputs must require grad (use use_reentrant=False, or transformers' "
-                "gradient_checkpointing_enable)",
+                "gradient_checkpointing_enable); otherwise the loss does not depend on them",
                 RuntimeWarning,
-                stacklevel=5,
+                stacklevel=6,  # user → torch's step wrapper → no_grad → step → _update → here
             )
 
     # ----------------------------------------------------------------------------------------------

@@ -79,6 +79,10 @@ class TargetState:
     # Set by a backward whose sketch product was bf16/fp16 (autocast, bf16 weights, FSDP2's bf16
     # compute) since the sketch was last cleared; the optimizer then raises its orthogonal floor.
     sketched_in_16_bit: bool = False
+    # Set by a train-mode forward (of at least one row) and by a backward into the sketch, while
+    # bound: a target forwarded but never reached gets no gradient (see the optimizer's first update).
+    forwarded: bool = False
+    reached: bool = False
 
     @property
     def bound(self) -> bool:
@@ -131,7 +135,10 @@ def _patched_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
     if target.probe_factor is not None:
         return perturbed_linear(self, input, target)
     # Sketch work only where a backward can follow: train mode with grad enabled, optimizer bound.
-    if not target.bound or not (self.training and torch.is_grad_enabled()):
+    if not target.bound or not self.training:
+        return F.linear(input, self.weight, self.bias)
+    target.forwarded = target.forwarded or input.numel() > 0
+    if not torch.is_grad_enabled():
         return F.linear(input, self.weight, self.bias)
     _check_device(target, self.weight)
     return sketched_linear(input, self.weight, self.bias, target.shared_projection, target.sketch, target)
@@ -228,8 +235,8 @@ class _InputsRequireGradUnderCheckpointing:
     output require grad would only add a backward through layer 0's inputs that nobody uses.
 
     A forward hook of the input embedding that reads the model's ``is_gradient_checkpointing``. A
-    deep copy of the model gets one that reads the copy; a pickled model one that does nothing
-    (transformers' own ``gradient_checkpointing_enable`` adds the same remedy)."""
+    deep copy or a pickled copy of the model gets one that reads the copy (pickle creates the model
+    before its modules' state, so the reference back to it resolves)."""
 
     def __init__(self, model: nn.Module | None):
         self._model = None if model is None else weakref.ref(model)
@@ -250,7 +257,7 @@ class _InputsRequireGradUnderCheckpointing:
         return _InputsRequireGradUnderCheckpointing(memo.get(id(model), model))
 
     def __reduce__(self):
-        return _InputsRequireGradUnderCheckpointing, (None,)
+        return _InputsRequireGradUnderCheckpointing, (None if self._model is None else self._model(),)
 
 
 def find_experts_modules(model: nn.Module) -> list[tuple[str, nn.Module, tuple[str, str]]]:

@@ -227,14 +227,18 @@ class ContextRecorder:
         attention_mask, position_ids = kwargs.get("attention_mask"), kwargs.get("position_ids")
         unreplayable = _unreplayable(input_ids, attention_mask, position_ids)
         if unreplayable:
-            self.latest = None
+            # Kept, with no probe position: across ranks this rank still takes part in the probe's
+            # collectives (and every rank raises together if none has a position); alone, the step
+            # raises for want of contexts.
+            contexts = contexts_from_batch(input_ids, samples=self.samples, temperature=self.temperature)
+            self.latest = contexts.select(slice(None), torch.zeros_like(contexts.probe_mask))
             if not self._warned:
                 self._warned = True
                 warnings.warn(
                     f"KL probe contexts: a training forward with {unreplayable} is not recorded, since the "
-                    "probe runs input_ids with a 2-D attention_mask only; give the contexts with "
-                    "optimizer.set_probe_contexts(input_ids, attention_mask, probe_mask)",
-                    stacklevel=3,
+                    "probe runs input_ids with a 2-D attention_mask and the default positions; give the "
+                    "contexts with optimizer.set_probe_contexts(input_ids, attention_mask, probe_mask)",
+                    stacklevel=6,  # user → Module.__call__ → _call_impl → its inner() → the hook → here
                 )
             return
         self.latest = contexts_from_batch(
@@ -252,13 +256,26 @@ class ContextRecorder:
 
 def _unreplayable(input_ids: torch.Tensor, attention_mask, position_ids) -> str | None:
     """What of a forward's arguments the probe's ``model(input_ids, attention_mask)`` would not
-    reproduce, or ``None``."""
+    reproduce, or ``None``.
+
+    Positions are replayed as ``0, 1, …``. Given ones that differ from those by one constant per row
+    on the attended tokens (left padding with positions counted from the first real token, any
+    value at padded positions) give the same logits with rotary embeddings, which see only
+    differences of positions; positions that restart within a row (packed sequences) do not."""
     if isinstance(attention_mask, torch.Tensor) and attention_mask.shape != input_ids.shape:
         return f"a {attention_mask.dim()}-D attention_mask of shape {tuple(attention_mask.shape)}"
     if isinstance(position_ids, torch.Tensor):
-        default = torch.arange(input_ids.shape[1], device=position_ids.device)
-        if position_ids.shape[-1] != input_ids.shape[1] or not bool((position_ids == default).all()):
-            return "position_ids other than 0, 1, … in every row (packed sequences)"
+        attended = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        try:
+            offsets = position_ids.long() - torch.arange(input_ids.shape[1], device=position_ids.device)
+            offsets, attended = torch.broadcast_tensors(offsets, attended.to(offsets.device))
+        except RuntimeError:
+            return f"position_ids of shape {tuple(position_ids.shape)}"
+        big = torch.iinfo(torch.int64).max
+        low = torch.where(attended, offsets, big).amin(-1)
+        high = torch.where(attended, offsets, -big).amax(-1)
+        if bool((high > low).any()):
+            return "position_ids that restart within a row (packed sequences)"
     return None
 
 

@@ -113,6 +113,8 @@ class SketchedLinear(torch.autograd.Function):
         x_projected, weight = ctx.saved_tensors
         g = grad_output.reshape(-1, grad_output.shape[-1])
         xp = x_projected.reshape(-1, x_projected.shape[-1]).to(g.dtype)
+        if ctx.state is not None:
+            ctx.state.reached = True
         if g.dtype == ctx.sketch.dtype:
             ctx.sketch.addmm_(g.t(), xp)
         else:

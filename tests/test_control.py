@@ -263,8 +263,9 @@ def test_non_finite_realised_kl_restores_the_weights_and_skips(fitted_model):
     )
     model(**batch).loss.backward()
     weights = [p.clone() for p in model.parameters()]
-    with pytest.warns(RuntimeWarning, match="realised KL nan"):
+    with pytest.warns(RuntimeWarning, match="realised KL nan") as caught:
         opt.step()
+    assert caught[0].filename == __file__  # points at the caller's step()
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
     assert opt.update_index == 0 and opt.stats["probe_skips"] == 1 and len(opt.state) == 0
 

@@ -472,6 +472,7 @@ def test_step_warns_once_when_the_training_forward_ran_in_eval_mode():
             opt.step()
         eval_warnings = [w for w in caught if "eval mode" in str(w.message)]
         assert len(eval_warnings) == (1 if _ == 0 else 0)
+        assert all(w.filename == __file__ for w in eval_warnings)  # points at the caller's step()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -513,8 +514,9 @@ def test_non_finite_sketch_skips_the_step_and_changes_nothing(poison):
         model(**fixed_batch(seed=1)).loss.backward()
         handle.remove()
     assert not all(torch.isfinite(s).all() for s in sketches(model).values())
-    with pytest.warns(RuntimeWarning, match="non-finite sketch .* at update 2"):
+    with pytest.warns(RuntimeWarning, match="non-finite sketch .* at update 2") as caught:
         opt.step()
+    assert caught[0].filename == __file__  # points at the caller's step()
 
     assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
     assert_same_state(opt.state_dict()["state"], state["state"])

@@ -356,6 +356,7 @@ def test_targets_no_gradient_reached_are_named_once(batch):
         named = [str(w.message) for w in caught if "received no gradient" in str(w.message)]
         if update == 0:
             assert len(named) == 1 and "7 of 14 targets" in named[0] and "layers.0." in named[0]
+            assert [w.filename for w in caught if "received no gradient" in str(w.message)] == [__file__]
         else:
             assert not named  # once
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import types
+import warnings
 
 import pytest
 import torch
@@ -191,16 +192,27 @@ def test_forwards_the_probe_cannot_replay_are_not_recorded():
     model(**batch, position_ids=torch.arange(seq).expand(2, seq))  # the default positions: recorded
     assert torch.equal(opt.kl_control.contexts().input_ids, batch["input_ids"])
     causal = torch.ones(seq, seq).tril().bool().expand(2, 1, seq, seq)
-    with pytest.warns(UserWarning, match="4-D attention_mask"):
+    with pytest.warns(UserWarning, match="4-D attention_mask") as caught:
         model(**batch, attention_mask=causal).loss.backward()
+    assert caught[0].filename == __file__
     with pytest.raises(RuntimeError, match="no probe contexts"):
         opt.kl_control.contexts()
     packed = torch.cat((torch.arange(5), torch.arange(seq - 5))).expand(2, seq)
     model(**batch)
-    model(**batch, position_ids=packed)  # warned once per recorder: no second warning
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(**batch, position_ids=packed)
+    assert not [w for w in caught if "not recorded" in str(w.message)]  # warned once per recorder
     with pytest.raises(RuntimeError, match="no probe contexts"):
         opt.step()
     assert opt.update_index == 0
+    # Left padding with positions counted from each row's first real token: off 0, 1, … by one
+    # constant per row where attended, which rotary embeddings do not see: recorded.
+    mask = torch.ones(2, seq, dtype=torch.long)
+    mask[1, :3] = 0
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=positions)
+    assert opt.kl_control.contexts().tokens > 0
 
 
 def test_a_model_unpatched_under_a_live_optimizer_is_not_recorded_and_its_step_refused():

@@ -305,6 +305,15 @@ def test_a_mixture_of_experts_resumes_with_its_experts(tmp_path):
     for name in expected:
         assert torch.equal(got[name], expected[name]), name
 
+    # A checkpoint without layer 0's experts in any layout: refused, naming the weight.
+    from safetensors.torch import load_file, save_file
+
+    weights = tmp_path / "checkpointed" / "checkpoint-2" / "model.safetensors"
+    stored = load_file(weights)
+    save_file({k: v for k, v in stored.items() if "layers.0.mlp.experts." not in k}, weights, {"format": "pt"})
+    with pytest.raises(RuntimeError, match=r"lack \['model.layers.0.mlp.experts"):
+        train("refused", resume=str(tmp_path / "checkpointed" / "checkpoint-2"))
+
 
 # ---------------------------------------------------------------------------------------------------
 # Learning
