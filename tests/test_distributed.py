@@ -251,7 +251,7 @@ def test_guards_and_rank_summed_scalars(tmp_path):
         assert "Shard(dim=1)" in seen["shard1"]
         assert seen["fsdp1"].startswith("ValueError") and "fully_shard" in seen["fsdp1"]
         assert seen["rows"]
-        for case in ("", "_checked", "_fd"):  # JVP, with the realised-KL check, finite differences
+        for case in ("", "_checked", "_fd", "_packed"):  # JVP, realised-KL check, finite differences; unreplayable
             one = seen[f"one_rank_without_positions{case}"]
             assert one["error"] is None and one["update_index"] == 1, (rank, case, one["error"])
             assert one["probe_tokens"] == 2 * 11  # rank 0's two rows of 12 tokens: 11 positions each

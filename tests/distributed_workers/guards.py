@@ -103,17 +103,24 @@ def main() -> None:
     # A rank whose probe rows (rows 0 and 2 of 4, spread) hold no probe position takes part in the
     # probe with no terms instead of raising alone while the other waits in its collectives; with no
     # position on any rank, every rank raises.
+    # So does a rank whose training forward the probe cannot replay (packed sequences): it is kept
+    # with no probe position.
     no_positions = dict(BATCH, labels=BATCH["labels"].clone())
     no_positions["labels"][[0, 2]] = -100
-    for case, empty_on, options in (
-        ("one_rank_without_positions", {1}, {}),
-        ("one_rank_without_positions_checked", {1}, {"realised_kl_check": True}),
-        ("one_rank_without_positions_fd", {1}, {"probe": "finite_difference"}),
-        ("no_rank_with_positions", {0, 1}, {}),
+    seq = BATCH["input_ids"].shape[1]
+    packed = dict(BATCH, position_ids=torch.cat((torch.arange(5), torch.arange(seq - 5))).expand(4, seq))
+    for case, empty_on, options, empty in (
+        ("one_rank_without_positions", {1}, {}, no_positions),
+        ("one_rank_without_positions_checked", {1}, {"realised_kl_check": True}, no_positions),
+        ("one_rank_without_positions_fd", {1}, {"probe": "finite_difference"}, no_positions),
+        ("one_rank_without_positions_packed", {1}, {}, packed),
+        ("no_rank_with_positions", {0, 1}, {}, no_positions),
     ):
         model = frozen_model()
         opt = LoGRAOptimizer(model, rank=4, kl_budget=1e-3, update_ratio=1e-2, **options)
-        model(**(no_positions if rank in empty_on else BATCH)).loss.backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the packed forward's "not recorded"
+            model(**(empty if rank in empty_on else BATCH)).loss.backward()
         error = error_of(opt.step)
         weights = torch.cat([p.detach().flatten() for p in model.parameters()])
         results[case] = {
