@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from . import distributed as dp
 
-from .kl import budget_at, effective_budget, floored_kl, mismatch_sample, mismatch_terms, step_scale
+from .kl import budget_at, effective_budget, floored_kl, mismatch_sample, mismatch_terms, retry_alpha, step_scale
 from .options import KLOptions, positive
 from .patching import TargetState
 from .probe import (
@@ -67,6 +67,7 @@ class StepChoice:
     base_logits: torch.Tensor | None = None
     budget: float = 0.0  # effective budget δ_eff
     update: int = 0
+    represented_tokens: int = 0  # this rank's probe positions the contexts (a subset of them) stand for
 
 
 class KLController:
@@ -243,7 +244,7 @@ class KLController:
             "probe_tokens": tokens,
             "probe_seconds": time.perf_counter() - started,
         }
-        return StepChoice(alpha, stats, contexts, base, budget_eff, update)
+        return StepChoice(alpha, stats, contexts, base, budget_eff, update, every.tokens)
 
     def _warn_if_low_precision(self, targets: Sequence[TargetState]) -> None:
         """Once, if the probe forward computed in 16 bits while the weights are stored wider (e.g.
@@ -277,8 +278,14 @@ class KLController:
         options, stats, alpha = self.options, choice.stats, choice.alpha
         ceiling = choice.budget * (1.0 + options.realised_kl_tolerance)
         best_safe = None  # (α, realised KL) of the largest α measured within the budget
+        lowest_unsafe = None  # the smallest α measured above it
         for retry in range(options.realised_kl_retries + 1):
-            total, tokens = self._reduce(*realised_kl(self.model, choice.contexts, choice.base_logits, self.logits_fn))
+            total, tokens = realised_kl(self.model, choice.contexts, choice.base_logits, self.logits_fn)
+            # Weighted across ranks as the prediction was (:meth:`choose`): each rank's subset of
+            # positions stands for all of them.
+            if tokens and choice.represented_tokens != tokens:
+                total = float(total) * choice.represented_tokens / tokens
+            total, tokens = self._reduce(total, choice.represented_tokens)
             dp.reshard(self._fsdp2)
             realised = total / max(tokens, 1)
             if not math.isfinite(realised):
@@ -286,8 +293,16 @@ class KLController:
             stats.update(realised_kl=realised, realised_kl_retries=retry)
             if realised <= ceiling and (best_safe is None or alpha > best_safe[0]):
                 best_safe = (alpha, realised)
-            # KL grows as α²: this rescale would land on the budget if the curvature held.
-            rescaled = min(options.alpha_max, alpha * math.sqrt(choice.budget / realised)) if realised > 0 else alpha
+            if realised > ceiling and (lowest_unsafe is None or alpha < lowest_unsafe):
+                lowest_unsafe = alpha
+            rescaled = retry_alpha(
+                alpha,
+                realised,
+                choice.budget,
+                options.alpha_max,
+                None if best_safe is None else best_safe[0],
+                lowest_unsafe,
+            )
             on_budget = abs(realised / choice.budget - 1.0) <= options.realised_kl_tolerance
             if on_budget or rescaled == alpha or retry == options.realised_kl_retries:
                 break

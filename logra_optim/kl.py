@@ -180,7 +180,7 @@ def floored_kl(predicted_kl: float, recent: Sequence[float], fraction: float) ->
 
 
 def step_scale(predicted_kl: float, budget: float, alpha_max: float) -> float:
-    """``α = min(α_max, sqrt(δ/q))``, and ``α = 1`` when ``q = 0`` (the update does not move the
+    """``α = min(α_max, sqrt(δ/q))``, and ``α = min(1, α_max)`` when ``q = 0`` (the update does not move the
     policy to second order, so there is nothing to scale against).
 
     KL is quadratic in α, hence the square root (the paper's text prints ``δ/q``).
@@ -188,8 +188,37 @@ def step_scale(predicted_kl: float, budget: float, alpha_max: float) -> float:
     if not math.isfinite(predicted_kl) or predicted_kl < 0:
         raise ValueError(f"predicted KL must be finite and ≥ 0, got {predicted_kl!r}")
     if predicted_kl == 0.0:
-        return 1.0
+        return min(1.0, alpha_max)
     return min(alpha_max, math.sqrt(budget / predicted_kl))
+
+
+def retry_alpha(
+    alpha: float,
+    realised: float,
+    budget: float,
+    alpha_max: float,
+    largest_safe: tuple[float, float] | None = None,
+    smallest_unsafe: tuple[float, float] | None = None,
+) -> float:
+    """The α of the realised-KL check's next try, after ``alpha`` moved the contexts by ``realised``;
+    ``largest_safe`` / ``smallest_unsafe``: ``(α, realised KL)`` of the largest try measured within
+    the budget's ceiling and of the smallest above it, if any.
+
+    KL grows as α², so ``α sqrt(δ/realised)`` would land on the budget if the curvature held (at
+    most ``alpha_max``). Where it does not (KL steeper than α², as when a token changes experts),
+    that rescale can return to an α already measured unsafe, or below one measured safe: for ``KL
+    = α⁴`` two tries alternate for ever. Once both kinds have been measured, the next α is
+    interpolated between them in ``log KL`` against ``log α`` (exact for any power of α), and the
+    bracket's geometric mean replaces an interpolation that does not fall strictly inside it.
+    """
+    if largest_safe is None or smallest_unsafe is None:
+        return min(alpha_max, alpha * math.sqrt(budget / realised)) if realised > 0 else alpha
+    (low, low_kl), (high, high_kl) = largest_safe, smallest_unsafe
+    guess = math.sqrt(low * high)
+    if 0 < low_kl < high_kl and low < high:
+        power = math.log(high_kl / low_kl) / math.log(high / low)
+        guess = low * (budget / low_kl) ** (1.0 / power)
+    return guess if low < guess < high else math.sqrt(low * high)
 
 
 @dataclass(frozen=True)
@@ -205,12 +234,12 @@ class CosineBudget:
     horizon: int = 300
 
     def __post_init__(self):
-        if not (self.delta_max > 0 and self.delta_min > 0):
-            raise ValueError(
-                f"CosineBudget: delta_max and delta_min must be > 0, got {self.delta_max}, {self.delta_min}"
-            )
-        if self.horizon < 1:
-            raise ValueError(f"CosineBudget: horizon must be ≥ 1, got {self.horizon}")
+        for name in ("delta_max", "delta_min"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
+                raise ValueError(f"CosineBudget: {name} must be a positive finite number, got {value!r}")
+        if isinstance(self.horizon, bool) or not isinstance(self.horizon, int) or self.horizon < 1:
+            raise ValueError(f"CosineBudget: horizon must be an integer ≥ 1, got {self.horizon!r}")
 
     def __call__(self, update: int) -> float:
         progress = 1.0 if self.horizon == 1 else min((update - 1) / (self.horizon - 1), 1.0)

@@ -195,8 +195,9 @@ class KLOptions:
                 "kl_floor cannot be combined with realised_kl_check: the floor keeps some steps below the budget "
                 "on the probe contexts, and the check would rescale them back up to it"
             )
-        if not 0.0 < self.mismatch_ema <= 1.0:
-            raise ValueError(f"mismatch_ema must be in (0, 1], got {self.mismatch_ema!r}")
+        ema = self.mismatch_ema
+        if isinstance(ema, bool) or not isinstance(ema, numbers.Real) or not 0.0 < ema <= 1.0:
+            raise ValueError(f"mismatch_ema must be a number in (0, 1], got {ema!r}")
         if self.realised_kl_check and self.budget is None:
             raise ValueError("realised_kl_check needs a kl_budget to check against")
         object.__setattr__(self, "alpha_max", positive("alpha_max", self.alpha_max))

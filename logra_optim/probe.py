@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import types
 import warnings
 import weakref
@@ -219,10 +220,14 @@ class ContextRecorder:
         self._warned = False
         self.handle = model.register_forward_pre_hook(_RecordingHook(self, model), with_kwargs=True)
 
-    def record(self, args, kwargs) -> None:
+    def record(self, module: nn.Module, args, kwargs) -> None:
         """Record the probe contexts of one forward's arguments."""
+        if len(args) > 1:  # model(input_ids, attention_mask, …): read each argument by its name
+            kwargs = _named_arguments(module, args, kwargs)
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+            # A training forward the probe cannot replay (inputs_embeds): no older batch either.
+            self.latest = None
             return
         attention_mask, position_ids = kwargs.get("attention_mask"), kwargs.get("position_ids")
         unreplayable = _unreplayable(input_ids, attention_mask, position_ids)
@@ -252,6 +257,20 @@ class ContextRecorder:
 
     def remove(self) -> None:
         self.handle.remove()
+
+
+def _named_arguments(module: nn.Module, args, kwargs) -> dict:
+    """A forward's positional and keyword arguments by parameter name (keyword ones alone where the
+    signature cannot bind them)."""
+    try:
+        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return kwargs
+    named = dict(bound.arguments)
+    for name, parameter in bound.signature.parameters.items():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(named.pop(name, {}))
+    return named
 
 
 def _unreplayable(input_ids: torch.Tensor, attention_mask, position_ids) -> str | None:
@@ -298,7 +317,7 @@ class _RecordingHook:
             and torch.is_grad_enabled()
             and recorder.active()
         ):
-            recorder.record(args, kwargs)
+            recorder.record(module, args, kwargs)
 
     def __reduce__(self):
         return _RecordingHook, (None, None)

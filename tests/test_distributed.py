@@ -269,6 +269,9 @@ def test_guards_and_rank_summed_scalars(tmp_path):
         q0, q1 = seen["q_subset_per_rank"]
         assert seen["probe_tokens_subset"] == 4 and abs(q0 - q1) > 0.1 * max(q0, q1)
         assert seen["q_subset"] == pytest.approx((3 * q0 + 32 * q1) / 35, rel=1e-9)
+        realised, predicted, retries = seen["realised_subset"]
+        print("realised_subset", rank, realised, predicted, retries, q0, q1)
+        assert retries == 0 and realised == pytest.approx(predicted, rel=0.02)
         assert seen["mismatch"] == pytest.approx(0.3 * (4 * 0.1 + 8 * 0.4) / 12, rel=1e-6)
         # Not one collective per layer: one flat all-reduce (one buffer: all on one device), one
         # all-gather of scalars, and with KL control one all-reduce of the probe's sums.

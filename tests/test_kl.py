@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from logra_optim import LoGRAOptimizer, patch_model
 from logra_optim.kl import (
     CosineBudget,
+    retry_alpha,
     WordSample,
     budget_at,
     effective_budget,
@@ -320,3 +321,37 @@ def test_mismatch_ignores_non_finite_log_probs_and_reports_nothing_when_empty():
     assert opt.observe_mismatch(rollout, trainer) == pytest.approx(0.15)
     # No usable token: κ keeps its value instead of decaying towards zero.
     assert opt.observe_mismatch(rollout, trainer, torch.tensor([[0, 1, 0]])) == pytest.approx(0.15)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    steepness=st.floats(1.2, 8.0),
+    scale=st.floats(1e-3, 1e3),
+    start=st.floats(0.05, 20.0),
+    tolerance=st.sampled_from([0.02, 0.1]),
+)
+def test_realised_kl_retries_converge_on_curves_steeper_or_flatter_than_quadratic(steepness, scale, start, tolerance):
+    """The realised-KL check's tries, as ``KLController.check_realised`` makes them, on ``KL(α) =
+    c α^k``: the α² rescale alone alternates between two values for ``k = 4`` and diverges beyond;
+    with the bracket of measured safe and unsafe α the tries reach the budget, never measuring an α
+    twice."""
+    budget, alpha, safe, unsafe, tried = 1.0, start, None, None, []
+    for _ in range(40):
+        realised = scale * alpha**steepness
+        if abs(realised / budget - 1.0) <= tolerance:
+            break
+        assert alpha not in tried
+        tried.append(alpha)
+        if realised <= budget * (1.0 + tolerance):
+            safe = (alpha, realised) if safe is None else max(safe, (alpha, realised))
+        else:
+            unsafe = (alpha, realised) if unsafe is None else min(unsafe, (alpha, realised))
+        alpha = retry_alpha(alpha, realised, budget, 1e12, safe, unsafe)
+    assert abs(scale * alpha**steepness / budget - 1.0) <= tolerance, (len(tried), alpha)
+
+
+def test_the_alpha_squared_rescale_alone_cycles_on_a_quartic_curve():
+    """Why the bracket: without it, ``KL = α⁴`` from α = 2 alternates 2 → 0.5 → 2 (budget 1)."""
+    assert retry_alpha(2.0, 16.0, 1.0, 10.0) == 0.5
+    assert retry_alpha(0.5, 0.0625, 1.0, 10.0) == 2.0
+    assert retry_alpha(0.5, 0.0625, 1.0, 10.0, largest_safe=(0.5, 0.0625), smallest_unsafe=(2.0, 16.0)) == 1.0

@@ -195,6 +195,18 @@ def main() -> None:
     opt.step()
     results["q_subset"] = opt.stats["predicted_kl"]
     results["probe_tokens_subset"] = opt.stats["probe_tokens"]
+    # The realised-KL check measures the same weighted mean: in the quadratic regime of a small
+    # step it finds what the probe predicted.
+    model = frozen_model()
+    opt = LoGRAOptimizer(model, rank=4, kl_budget=1e-5, update_ratio=1e-2, probe_positions=2, realised_kl_check=True)
+    opt.set_probe_contexts(ids, probe_mask=masks[rank])
+    model(**BATCH).loss.backward()
+    opt.step()
+    results["realised_subset"] = (
+        opt.stats["realised_kl"],
+        opt.stats["predicted_step_kl"],
+        opt.stats["realised_kl_retries"],
+    )
     results["q_subset_per_rank"] = []
     for mask, reference_model in zip(masks, references):  # each rank's contexts alone, in one process
         ref = LoGRAOptimizer(
