@@ -55,7 +55,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from logra_optim import LoGRAOptimizer, find_target_modules, patch_model
-from logra_optim.cli.bench import DENSE_ADAMW
+from logra_optim.cli.bench import TORCH_ADAMW
 from logra_optim.cli.runner import WorkerFailed, run_fresh
 
 METHODS = ("adamw-targets", "logra")
@@ -171,7 +171,7 @@ def worker(spec: dict) -> dict | None:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // dist.get_world_size()))
     counter = ByteCounter()
     model = build(args, method, device)
-    adamw = lambda params: torch.optim.AdamW(params, **DENSE_ADAMW)  # noqa: E731
+    adamw = lambda params: torch.optim.AdamW(params, **TORCH_ADAMW)  # noqa: E731
     computed_gradient_bytes = 0
     # Before any engine shards them.
     target_params = sum(module.weight.numel() for _, module in find_target_modules(model))

@@ -128,6 +128,10 @@ DENSE = ("adamw", "adamw-targets", "adamw8bit", "frozen")
 REFERENCES = {"adamw": "AdamW", "adamw-targets": "AdamW targets"}
 # The dense optimizers' settings (also the distributed benchmark's).
 DENSE_ADAMW = dict(lr=1e-6, betas=(0.9, 0.95))
+# torch's AdamW as transformers' Trainer (and so TRL) builds it by default, ``optim="adamw_torch_fused"``:
+# its fused kernel, on the CPU too. Without it, torch steps CPU tensors one at a time, several
+# times slower, which would flatter every method compared with dense AdamW.
+TORCH_ADAMW = dict(DENSE_ADAMW, fused=True)
 # --malloc-threshold: the workers' added environment (glibc reads it at start-up).
 MALLOC_THRESHOLDS = {"dynamic": {}, "fixed": {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}}
 OPTIONAL_MODULES = {
@@ -363,10 +367,10 @@ def make_optimizer(
     # Stacked experts (mixture of experts) are LoGRA's targets too (peers.py); Flora treats them as any
     # other parameter.
     if method == "adamw-targets":
-        return model, torch.optim.AdamW(trainable(train_only_targets(model)), **DENSE_ADAMW)
+        return model, torch.optim.AdamW(trainable(train_only_targets(model)), **TORCH_ADAMW)
     if method == "lora":
         model = lora_model(model, rank)
-        return model, torch.optim.AdamW(trainable(model), **DENSE_ADAMW)
+        return model, torch.optim.AdamW(trainable(model), **TORCH_ADAMW)
     if method in LOW_RANK_PEERS:
         return model, low_rank_optimizer(model, method, rank, **DENSE_ADAMW)
     if method == "flora":
@@ -379,7 +383,7 @@ def make_optimizer(
         import bitsandbytes
 
         return model, bitsandbytes.optim.AdamW8bit(model.parameters(), **DENSE_ADAMW)
-    return model, torch.optim.AdamW(model.parameters(), **DENSE_ADAMW)
+    return model, torch.optim.AdamW(model.parameters(), **TORCH_ADAMW)
 
 
 def spec_optimizer(model, spec: dict, rank: int):
@@ -736,6 +740,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
         "skipped": skipped,
         "seconds": time.perf_counter() - started,
         "round_orders": orders,  # as they ran
+        "torch_adamw": {k: v for k, v in TORCH_ADAMW.items() if k != "betas"},  # AdamW, AdamW on targets, LoRA
         **revision,
         **base_spec,
     }
