@@ -579,6 +579,27 @@ def test_bench_rotates_its_rounds_and_tabulates_paired_ratios(tmp_path):
     assert [cell.strip() for cell in row.split("|")][column] == f"{paired:.2f}×"
 
 
+def test_bench_of_lora_alone_from_a_config_and_plan_measured_against_it(tmp_path):
+    """LoRA alone (whose parameter count includes its adapters) still gets a title and stored
+    results; a run from ``--config`` records the layers it ran, so ``plan --measured`` can compare."""
+    config = write_config(tmp_path / "model", bench_preset("tiny"))
+    result = run_cli(
+        "bench", "--config", str(config), "--rank", "8", "--methods", "lora", "--rounds", "1", "--runs", "1",
+        "--threads", "1", "--seq", "32", "--output", str(tmp_path / "out"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads((tmp_path / "out" / "bench.json").read_text())
+    model = build_tiny_model(bench_preset("tiny"))
+    assert data["meta"]["layers"] == model.config.num_hidden_layers
+    assert f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f} M params" in data["meta"]["title"]
+    plan = run_cli(
+        "plan", str(config), "--dtype", "fp32", "--batch", "2", "--seq", "32", "--no-checkpointing", "--rank", "8",
+        "--measured", str(tmp_path / "out" / "bench.json"),
+    )  # fmt: skip
+    assert plan.returncode == 0, plan.stderr
+    assert "measured peak" in plan.stdout
+
+
 def test_probe_time_is_the_median_over_the_steps_that_probed():
     """A skipped update has no probe time; it neither counts nor hides the others'."""
     from logra_optim.cli.bench import median_probe_seconds

@@ -215,6 +215,22 @@ def test_forwards_the_probe_cannot_replay_are_not_recorded():
     assert opt.kl_control.contexts().tokens > 0
 
 
+def test_positional_arguments_are_recorded_by_name_and_a_forward_without_ids_clears_the_contexts():
+    model = patch_model(tiny_qwen2())
+    model.train()
+    opt = LoGRAOptimizer(model, rank=4, kl_budget=1e-3, probe_samples=None)
+    ids = fixed_batch(batch=2)["input_ids"]
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding
+    model(ids, mask)  # model(input_ids, attention_mask)
+    contexts = opt.kl_control.contexts()
+    assert torch.equal(contexts.attention_mask, mask)
+    assert not contexts.probe_mask[0, :4].any() and contexts.tokens == 2 * (ids.shape[1] - 1) - 4
+    model(inputs_embeds=model.get_input_embeddings()(ids))  # nothing the probe could replay
+    with pytest.raises(RuntimeError, match="no probe contexts"):
+        opt.kl_control.contexts()
+
+
 def test_a_model_unpatched_under_a_live_optimizer_is_not_recorded_and_its_step_refused():
     model = patch_model(tiny_qwen2())
     model.train()

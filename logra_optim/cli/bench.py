@@ -710,7 +710,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
                 progress.advance(bar)
     results = [summarize(config, runs) for config, runs in samples.items()]
     source = args.model or args.config or f"preset {args.preset}"
-    base_params = next(r["total_params"] for r in results if not r["method"] == "lora")  # LoRA adds adapters
+    # The model's own parameters: LoRA adds its adapters (which are all it trains).
+    base_params = next(
+        (r["total_params"] for r in results if r["method"] != "lora"),
+        results[0]["total_params"] - results[0]["trained_params"],
+    )
     first = samples[configs[0]][0]
     experts = f" of {first['experts']} experts (top-{first['top_k']})" if first.get("experts") else ""
     title = (
@@ -743,6 +747,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
         "torch_adamw": {k: v for k, v in TORCH_ADAMW.items() if k != "betas"},  # AdamW, AdamW on targets, LoRA
         **revision,
         **base_spec,
+        "layers": first["layers"],  # as run (--layers, or the model's own)
     }
     (output / "bench.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     markdown = [

@@ -431,8 +431,9 @@ POLICIES = {
 
 @dataclass(frozen=True)
 class PolicyRates:
-    """Learning rates for one policy: each method's best of an equal sweep on it
-    (docs/benchmarks.md, "The demo")."""
+    """Learning rates for one policy: for AdamW, AdamW on the targets and LoRA, each one's best of an
+    equal sweep on it (docs/benchmarks.md, "The demo"); GaLore's and APOLLO-Mini's were not swept
+    (see below), and the ``small`` policy reuses ``tiny``'s."""
 
     adamw: float  # dense AdamW
     adamw_targets: float  # AdamW on LoGRA's targets

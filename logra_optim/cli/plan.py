@@ -249,7 +249,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
             ("layers", shape.layers),
             ("checkpointing", setting.checkpointing),
         )
-        differ = {name: (bench.get(name), value) for name, value in compared if bench.get(name) != value}
+        # Runs stored before bench.json recorded the layers it ran hold None there: nothing to compare.
+        differ = {
+            name: (bench.get(name), value)
+            for name, value in compared
+            if bench.get(name) != value and not (name == "layers" and bench.get(name) is None)
+        }
         if differ or setting.dtype != "fp32":
             parser.error(
                 f"--measured was run with other settings (bench, plan): {differ}; `logra bench` runs fp32, so "
