@@ -582,7 +582,7 @@ def test_bench_rotates_its_rounds_and_tabulates_paired_ratios(tmp_path):
 def test_bench_of_lora_alone_from_a_config_and_plan_measured_against_it(tmp_path):
     """LoRA alone (whose parameter count includes its adapters) still gets a title and stored
     results; a run from ``--config`` records the layers it ran, so ``plan --measured`` can compare."""
-    config = write_config(tmp_path / "model", bench_preset("tiny"))
+    config = write_config(tmp_path / "model", {"model_type": "qwen2", **bench_preset("tiny")})
     result = run_cli(
         "bench", "--config", str(config), "--rank", "8", "--methods", "lora", "--rounds", "1", "--runs", "1",
         "--threads", "1", "--seq", "32", "--output", str(tmp_path / "out"),

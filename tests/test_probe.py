@@ -218,7 +218,7 @@ def test_forwards_the_probe_cannot_replay_are_not_recorded():
 def test_positional_arguments_are_recorded_by_name_and_a_forward_without_ids_clears_the_contexts():
     model = patch_model(tiny_qwen2())
     model.train()
-    opt = LoGRAOptimizer(model, rank=4, kl_budget=1e-3, probe_samples=None)
+    opt = LoGRAOptimizer(model, rank=4, kl_budget=1e-3)  # probe_samples=2: both rows
     ids = fixed_batch(batch=2)["input_ids"]
     mask = torch.ones_like(ids)
     mask[0, :4] = 0  # left padding
