@@ -226,7 +226,7 @@ class KLController:
             raise UpdateSkipped(f"predicted KL q={q} at update {update}", "probe")
         self._warn_if_low_precision(targets)
         # The floor applies once a full window of updates has been probed. q = 0 (a zero sketch,
-        # e.g. a batch of equal rewards) gives α = 1 as without a floor, and says nothing about the
+        # e.g. a batch of equal rewards) gives α = min(1, α_max) as without a floor, and says nothing about the
         # scale of q, so it is not kept either.
         q_used = q
         if options.kl_floor is not None and q > 0:
@@ -268,8 +268,9 @@ class KLController:
     def check_realised(self, choice: StepChoice, apply: Callable[[float], None], undo: Callable[[], None]) -> float:
         """After ``apply(choice.alpha)``: measure the true KL on the probe contexts; while it misses the
         budget by more than the tolerance (above it, or below it with room under ``alpha_max``),
-        ``undo()`` and ``apply`` again with α rescaled by ``sqrt(δ_eff / realised)``. Returns the α
-        finally applied; updates ``choice.stats``.
+        ``undo()`` and ``apply`` again with the α of :func:`~logra_optim.kl.retry_alpha` (rescaled by
+        ``sqrt(δ_eff / realised)``, or interpolated within the bracket of measured safe and unsafe α).
+        Returns the α finally applied; updates ``choice.stats``.
 
         If the last attempt overshoots, the largest α measured within the budget (if any) is applied
         again: a retry never trades a safe step for an unsafe one. Raises :class:`UpdateSkipped`
@@ -278,7 +279,7 @@ class KLController:
         options, stats, alpha = self.options, choice.stats, choice.alpha
         ceiling = choice.budget * (1.0 + options.realised_kl_tolerance)
         best_safe = None  # (α, realised KL) of the largest α measured within the budget
-        lowest_unsafe = None  # the smallest α measured above it
+        lowest_unsafe = None  # (α, realised KL) of the smallest α measured above it
         for retry in range(options.realised_kl_retries + 1):
             total, tokens = realised_kl(self.model, choice.contexts, choice.base_logits, self.logits_fn)
             # Weighted across ranks as the prediction was (:meth:`choose`): each rank's subset of
@@ -293,16 +294,9 @@ class KLController:
             stats.update(realised_kl=realised, realised_kl_retries=retry)
             if realised <= ceiling and (best_safe is None or alpha > best_safe[0]):
                 best_safe = (alpha, realised)
-            if realised > ceiling and (lowest_unsafe is None or alpha < lowest_unsafe):
-                lowest_unsafe = alpha
-            rescaled = retry_alpha(
-                alpha,
-                realised,
-                choice.budget,
-                options.alpha_max,
-                None if best_safe is None else best_safe[0],
-                lowest_unsafe,
-            )
+            if realised > ceiling and (lowest_unsafe is None or alpha < lowest_unsafe[0]):
+                lowest_unsafe = (alpha, realised)
+            rescaled = retry_alpha(alpha, realised, choice.budget, options.alpha_max, best_safe, lowest_unsafe)
             on_budget = abs(realised / choice.budget - 1.0) <= options.realised_kl_tolerance
             if on_budget or rescaled == alpha or retry == options.realised_kl_retries:
                 break

@@ -222,29 +222,27 @@ class ContextRecorder:
 
     def record(self, module: nn.Module, args, kwargs) -> None:
         """Record the probe contexts of one forward's arguments."""
-        if len(args) > 1:  # model(input_ids, attention_mask, …): read each argument by its name
-            kwargs = _named_arguments(module, args, kwargs)
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        named = _named_arguments(module, args, kwargs) if len(args) > 1 else kwargs  # model(ids, mask, …)
+        input_ids = (named or kwargs).get("input_ids", args[0] if args else None)
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
             # A training forward the probe cannot replay (inputs_embeds): no older batch either.
             self.latest = None
+            self._warn("no integer input_ids (inputs_embeds?)")
             return
+        kwargs = named or {}
         attention_mask, position_ids = kwargs.get("attention_mask"), kwargs.get("position_ids")
-        unreplayable = _unreplayable(input_ids, attention_mask, position_ids)
+        unreplayable = (
+            _unreplayable(input_ids, attention_mask, position_ids)
+            if named is not None
+            else "positional arguments behind a wrapper's *args, which cannot be read by name"
+        )
         if unreplayable:
             # Kept, with no probe position: across ranks this rank still takes part in the probe's
             # collectives (and every rank raises together if none has a position); alone, the step
             # raises for want of contexts.
             contexts = contexts_from_batch(input_ids, samples=self.samples, temperature=self.temperature)
             self.latest = contexts.select(slice(None), torch.zeros_like(contexts.probe_mask))
-            if not self._warned:
-                self._warned = True
-                warnings.warn(
-                    f"KL probe contexts: a training forward with {unreplayable} is not recorded, since the "
-                    "probe runs input_ids with a 2-D attention_mask and the default positions; give the "
-                    "contexts with optimizer.set_probe_contexts(input_ids, attention_mask, probe_mask)",
-                    stacklevel=6,  # user → Module.__call__ → _call_impl → its inner() → the hook → here
-                )
+            self._warn(unreplayable)
             return
         self.latest = contexts_from_batch(
             input_ids,
@@ -255,21 +253,37 @@ class ContextRecorder:
             self.temperature,
         )
 
+    def _warn(self, unreplayable: str) -> None:
+        if self._warned:
+            return
+        self._warned = True
+        warnings.warn(
+            f"KL probe contexts: a training forward with {unreplayable} is not recorded, since the probe runs "
+            "input_ids with a 2-D attention_mask and the default positions; give the contexts with "
+            "optimizer.set_probe_contexts(input_ids, attention_mask, probe_mask)",
+            stacklevel=7,  # user → Module.__call__ → _call_impl → its inner() → the hook → record → here
+        )
+
     def remove(self) -> None:
         self.handle.remove()
 
 
-def _named_arguments(module: nn.Module, args, kwargs) -> dict:
-    """A forward's positional and keyword arguments by parameter name (keyword ones alone where the
-    signature cannot bind them)."""
+def _named_arguments(module: nn.Module, args, kwargs) -> dict | None:
+    """A forward's positional and keyword arguments by parameter name, or ``None`` where its
+    signature cannot name them (a wrapper's ``forward(*args, **kwargs)``: ``torch.compile``'s
+    module, DDP; the model inside is tried first)."""
+    inner = getattr(module, "_orig_mod", None) or getattr(module, "module", None)
+    forward = (inner if isinstance(inner, nn.Module) else module).forward
     try:
-        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
+        bound = inspect.signature(forward).bind_partial(*args, **kwargs)
     except (TypeError, ValueError):
-        return kwargs
+        return None
     named = dict(bound.arguments)
     for name, parameter in bound.signature.parameters.items():
         if parameter.kind is inspect.Parameter.VAR_KEYWORD:
             named.update(named.pop(name, {}))
+        elif parameter.kind is inspect.Parameter.VAR_POSITIONAL and named.get(name):
+            return None
     return named
 
 

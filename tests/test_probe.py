@@ -231,6 +231,38 @@ def test_positional_arguments_are_recorded_by_name_and_a_forward_without_ids_cle
         opt.kl_control.contexts()
 
 
+class _Wrapper(nn.Module):
+    """A wrapper whose forward takes ``*args`` (as torch.compile's module and DDP do)."""
+
+    def __init__(self, model: nn.Module, attribute: str):
+        super().__init__()
+        setattr(self, attribute, model)
+        self.attribute = attribute
+
+    def forward(self, *args, **kwargs):
+        return getattr(self, self.attribute)(*args, **kwargs)
+
+
+def test_positional_arguments_through_a_wrapper_are_named_by_the_model_inside_or_not_recorded():
+    ids = fixed_batch(batch=2)["input_ids"]
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    for attribute, named in (("module", True), ("inner", False)):  # DDP's name is known; "inner" is not
+        wrapper = _Wrapper(patch_model(tiny_qwen2()), attribute)
+        wrapper.train()
+        opt = LoGRAOptimizer(wrapper, rank=4, kl_budget=1e-3)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            wrapper(ids, mask)
+        contexts = opt.kl_control.contexts() if named else None
+        if named:
+            assert torch.equal(contexts.attention_mask, mask) and not caught
+        else:
+            assert [str(w.message) for w in caught if "behind a wrapper's *args" in str(w.message)]
+            with pytest.raises(RuntimeError, match="no probe contexts"):
+                opt.kl_control.contexts()
+
+
 def test_a_model_unpatched_under_a_live_optimizer_is_not_recorded_and_its_step_refused():
     model = patch_model(tiny_qwen2())
     model.train()
