@@ -11,7 +11,6 @@ schedulers work unchanged; its state is tensors, numbers and strings only.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import time
@@ -38,7 +37,7 @@ from .options import (
     upgrade_param_group,
 )
 from .patching import TargetState, patched_targets, target_state
-from .probe import AUTOCAST_DEVICE_TYPES, LogitsFn
+from .probe import LogitsFn, outside_autocast
 from .projection import GENERATOR, ProjectionSpec, projection_key, projection_seed
 from .sketch import SharedProjection, SketchBank, generated
 from .sync import TargetUpdate, Update, rounding_seed
@@ -483,10 +482,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 loss = closure()
         # Outside any autocast region the caller's step may sit in: the update's products (η's Gram
         # matrices, the merge) are float32 or float64 by design, never 16-bit casts of them.
-        with contextlib.ExitStack() as stack:
-            for device_type in sorted({"cpu"} | {t.weight.device.type for t in self._targets}):
-                if device_type in AUTOCAST_DEVICE_TYPES:
-                    stack.enter_context(torch.autocast(device_type, enabled=False))
+        with outside_autocast(t.weight.device.type for t in self._targets):
             self._update()
         return loss
 

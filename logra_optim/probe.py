@@ -15,7 +15,7 @@ import inspect
 import types
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -206,8 +206,8 @@ class ContextRecorder:
     says whether the optimizer is still bound to the model (not after
     :func:`~logra_optim.unpatch_model`); while it is not, nothing is recorded. A batch the probe
     could not run as the forward did (a 4-D attention mask, positions other than ``0, 1, …`` as in
-    packed sequences) is not recorded: the contexts are cleared, with a warning once, so that no
-    step probes an older batch instead.
+    packed sequences) is not recorded: its contexts are kept with no probe position, with a warning
+    once, so that no step probes an older batch instead.
     """
 
     def __init__(
@@ -223,18 +223,16 @@ class ContextRecorder:
     def record(self, module: nn.Module, args, kwargs) -> None:
         """Record the probe contexts of one forward's arguments."""
         named = _named_arguments(module, args, kwargs) if len(args) > 1 else kwargs  # model(ids, mask, …)
-        input_ids = (named or kwargs).get("input_ids", args[0] if args else None)
+        input_ids = (kwargs if named is None else named).get("input_ids", args[0] if args else None)
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
             # A training forward the probe cannot replay (inputs_embeds): no older batch either.
             self.latest = None
             self._warn("no integer input_ids (inputs_embeds?)")
             return
-        kwargs = named or {}
-        attention_mask, position_ids = kwargs.get("attention_mask"), kwargs.get("position_ids")
         unreplayable = (
-            _unreplayable(input_ids, attention_mask, position_ids)
-            if named is not None
-            else "positional arguments behind a wrapper's *args, which cannot be read by name"
+            "positional arguments behind a wrapper's *args, which cannot be read by name"
+            if named is None
+            else _unreplayable(input_ids, named.get("attention_mask"), named.get("position_ids"))
         )
         if unreplayable:
             # Kept, with no probe position: across ranks this rank still takes part in the probe's
@@ -246,9 +244,9 @@ class ContextRecorder:
             return
         self.latest = contexts_from_batch(
             input_ids,
-            attention_mask,
-            kwargs.get("labels"),
-            kwargs.get("completion_mask"),
+            named.get("attention_mask"),
+            named.get("labels"),
+            named.get("completion_mask"),
             self.samples,
             self.temperature,
         )
@@ -493,8 +491,7 @@ def inference_environment(model: nn.Module) -> Iterator[None]:
         if wrapped_forward is not None:
             model.forward = model.__dict__["_original_forward"]
         with contextlib.ExitStack() as stack:
-            for device_type in _autocast_device_types(model):
-                stack.enter_context(torch.autocast(device_type, enabled=False))
+            stack.enter_context(outside_autocast(p.device.type for p in model.parameters()))
             stack.enter_context(torch.no_grad())
             stack.enter_context(sdpa_kernel(SDPBackend.MATH))
             yield
@@ -511,10 +508,13 @@ def inference_environment(model: nn.Module) -> Iterator[None]:
 AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu")
 
 
-def _autocast_device_types(model: nn.Module) -> list[str]:
-    """The device types of the model's parameters (and CPU) that an autocast region may cover."""
-    types_ = {"cpu"} | {p.device.type for p in model.parameters()}
-    return sorted(t for t in types_ if t in AUTOCAST_DEVICE_TYPES)
+@contextlib.contextmanager
+def outside_autocast(device_types: Iterable[str]) -> Iterator[None]:
+    """Leave any autocast region on the CPU and on ``device_types`` (where torch.autocast exists)."""
+    with contextlib.ExitStack() as stack:
+        for device_type in sorted({"cpu", *device_types} & set(AUTOCAST_DEVICE_TYPES)):
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield
 
 
 def _probe_logits(model, contexts, logits_fn) -> torch.Tensor:
