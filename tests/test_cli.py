@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import logra_optim
 from logra_optim import patch_model
@@ -390,6 +392,8 @@ def test_bench_on_the_tiny_preset(tmp_path):
     assert "no logra-rowadam row at rank 4" not in rowadam_plan.stdout  # --ranks 4 ran RowAdam
     sgd_plan = plan_against_the_bench("--rank", "4", "--direction", "sgd")
     assert "no logra-sgd row at rank 4" in sgd_plan.stdout
+    foreach_plan = plan_against_the_bench("--rank", "8", "--adamw", "foreach")  # the bench stepped fused AdamW
+    assert foreach_plan.returncode != 0 and "'adamw': ('fused', 'foreach')" in foreach_plan.stderr
 
 
 def test_source_revision_without_git_or_outside_a_checkout(monkeypatch, tmp_path):
@@ -900,6 +904,41 @@ def test_expert_rank_state_matches_the_real_optimizer():
     assert predicted["projections (transient)"] == 2 * largest
 
 
+class _LargestOutput(TorchDispatchMode):
+    """The most bytes any single operation returns in new storage (not one of its inputs')."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tensors = lambda tree: [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]  # noqa: E731
+        inputs = {t.untyped_storage().data_ptr() for t in tensors((args, kwargs or {}))}
+        out = func(*args, **(kwargs or {}))
+        new = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors(out)}
+        self.largest = max(self.largest, sum(n for ptr, n in new.items() if ptr not in inputs))
+        return out
+
+
+@pytest.mark.parametrize("adamw", plan_module.ADAMW_STEPS)
+def test_plan_counts_the_temporary_of_the_adamw_step_it_models(adamw):
+    """``--adamw fused`` (Trainer's default) updates in place; ``foreach`` builds one fp32
+    parameter-sized temporary in one call: what ``plan`` counts for each, measured on torch's step."""
+    params = [torch.nn.Parameter(torch.randn(shape)) for shape in ((64, 32), (32,), (16, 64))]
+    for param in params:
+        param.grad = torch.randn_like(param)
+    optimizer = torch.optim.AdamW(params, **{adamw: True})
+    optimizer.step()  # the moments exist from here on
+    with _LargestOutput() as mode:
+        optimizer.step()
+    count = sum(p.numel() for p in params)
+    shape = Shape.from_config(TINY_CONFIG)
+    parts = plan_module.breakdown(shape, "adamw", plan_module.Setting(dtype="fp32", adamw=adamw))
+    assert mode.largest / (4 * count) == parts.get("optimizer step temporaries", 0) / (4 * shape.params)
+    with pytest.raises(ValueError, match="adamw must be one of"):
+        plan_module.breakdown(shape, "adamw", plan_module.Setting(adamw="sgd"))
+
+
 def test_plan_answers_the_moe_question(tmp_path):
     """Qwen3-30B-A3B on 8 sharded 80 GB GPUs: the table prints for all three methods with the
     experts' own rank, and dense AdamW fits there too (it does not at 4). MoE configs with parts the
@@ -918,19 +957,13 @@ def test_plan_answers_the_moe_question(tmp_path):
 
 def test_plan_answers_the_27b_question(tmp_path):
     """A 27B-class config on 4 sharded 80 GB GPUs: the table prints, and dense AdamW does not fit."""
-    config = dict(
-        hidden_size=5120,
-        intermediate_size=17408,
-        num_hidden_layers=64,
-        num_attention_heads=24,
-        num_key_value_heads=4,
-        head_dim=256,
-        vocab_size=248320,
-    )
-    result = run_cli("plan", str(write_config(tmp_path, config)), "--gpus", "4", "--rank", "256")
-    assert result.returncode == 0, result.stderr
-    fits = next(line for line in result.stdout.splitlines() if "fits 80 GiB" in line)
-    assert fits.split("│")[2].strip() == "no"  # dense AdamW
+    config = Path(__file__).parents[1] / "benchmarks" / "configs" / "dense-27b-class.json"  # docs/benchmarks.md
+    for adamw in plan_module.ADAMW_STEPS:
+        result = run_cli("plan", str(config), "--gpus", "4", "--rank", "256", "--adamw", adamw)
+        assert result.returncode == 0, result.stderr
+        assert "24.35 B parameters" in result.stdout
+        fits = next(line for line in result.stdout.splitlines() if "fits 80 GiB" in line)
+        assert [cell.strip() for cell in fits.split("│")[2:5]] == ["no", "yes", "yes"]
 
 
 def test_plan_bad_config_names_what_is_missing(tmp_path, capsys):

@@ -6,8 +6,10 @@ Mistral-style decoders: attention q/k/v/o and a gated MLP per layer), for a per-
 
 * **weights**: ``P`` parameters at the model dtype, ``/ N`` when sharded.
 * **dense AdamW**: gradients at the model dtype, two fp32 moments, an fp32 master copy when the
-  model dtype is not fp32, all ``/ N`` when sharded; plus one fp32 parameter-sized temporary of
-  torch's default (foreach) AdamW step (``sqrt`` of the second moment).
+  model dtype is not fp32, all ``/ N`` when sharded. Fused AdamW (``--adamw fused``, the default:
+  transformers' ``Trainer``, and so TRL, steps ``optim="adamw_torch_fused"``) updates in place;
+  torch's foreach AdamW (``--adamw foreach``, ``torch.optim.AdamW``'s default on CUDA) adds one
+  fp32 parameter-sized temporary (``sqrt`` of the second moment).
 * **LoRA** (rank ``r`` on the same targets, fp32 adapters): per target ``(d + k) r`` adapter
   parameters with gradients and two moments; activations: the linear layers' inputs as in dense
   training (each adapter's ``lora_A`` keeps its input) plus the ``r``-wide adapter outputs.
@@ -55,6 +57,7 @@ from .measure import GIB, ratio
 from .shapes import Shape, read_config
 
 METHODS = ("adamw", "lora", "logra")
+ADAMW_STEPS = ("fused", "foreach")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -70,6 +73,7 @@ class Setting:
     checkpointing: bool = True
     first_moment: bool = True  # LoGRA's beta1 > 0 (its default)
     direction: str = "orthogonal"  # LoGRA's direction rule; "rowadam" keeps one statistic per row
+    adamw: str = "fused"  # dense AdamW's step: "fused" (in place) or "foreach" (one fp32 temporary)
 
     @property
     def tokens(self) -> int:
@@ -121,6 +125,8 @@ def breakdown(shape: Shape, method: str, setting: Setting) -> dict[str, float]:
     """Predicted bytes per GPU by component for one training step of ``method``."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if setting.adamw not in ADAMW_STEPS:
+        raise ValueError(f"adamw must be one of {ADAMW_STEPS}, got {setting.adamw!r}")
     a = DTYPE_BYTES[setting.dtype]
     shard = setting.gpus if setting.sharded else 1
     r = setting.rank
@@ -129,7 +135,8 @@ def breakdown(shape: Shape, method: str, setting: Setting) -> dict[str, float]:
         master = 0 if setting.dtype == "fp32" else 4
         parts["gradients"] = a * shape.params / shard
         parts["optimizer state"] = (8 + master) * shape.params / shard
-        parts["optimizer step temporaries"] = 4 * shape.params / shard
+        if setting.adamw == "foreach":
+            parts["optimizer step temporaries"] = 4 * shape.params / shard
     elif method == "lora":
         adapters = shape.layers * sum((d + k) * setting.rank_for(n) * n for d, k, n in shape.targets())  # per expert
         parts["adapters + gradients + moments"] = 16 * adapters / shard
@@ -207,6 +214,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="orthogonal",
         help="LoGRA's direction rule: rowadam adds one fp32 statistic per row",
     )
+    parser.add_argument(
+        "--adamw",
+        choices=ADAMW_STEPS,
+        default="fused",
+        help="dense AdamW's step: fused (Trainer's and TRL's default) updates in place; foreach "
+        "(torch.optim.AdamW's default on CUDA) adds one fp32 parameter-sized temporary",
+    )
     parser.add_argument("--layers", type=positive_int, help="override the config's layer count")
     parser.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU, for the 'fits' row")
     parser.add_argument("--measured", help="a `logra bench` bench.json to compare with (same shape and batch)")
@@ -235,6 +249,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
         checkpointing=not args.no_checkpointing,
         first_moment=not args.no_first_moment,
         direction=args.direction,
+        adamw=args.adamw,
     )
     predictions = {method: breakdown(shape, method, setting) for method in METHODS}
     if args.gpu_memory <= 0:
@@ -242,23 +257,29 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
     measured = _measured_peaks(args.measured, args.rank, args.direction) if args.measured else {}
     if measured:
         meta = json.loads(Path(args.measured).read_text())["meta"]
-        bench = {**meta, "checkpointing": bool(meta.get("checkpointing"))}  # absent from older runs: off
+        bench = {
+            **meta,
+            "checkpointing": bool(meta.get("checkpointing")),  # absent from older runs: off
+            "adamw": "fused" if meta.get("torch_adamw", {}).get("fused") else None,
+        }
         compared = (
+            ("adamw", setting.adamw),
             ("batch", setting.batch),
             ("seq", setting.seq),
             ("layers", shape.layers),
             ("checkpointing", setting.checkpointing),
         )
-        # Runs stored before bench.json recorded the layers it ran hold None there: nothing to compare.
+        # Older runs hold None for the layers they ran and the AdamW they stepped (torch's
+        # single-tensor loop on the CPU, whose temporary is one tensor's): nothing to compare.
         differ = {
             name: (bench.get(name), value)
             for name, value in compared
-            if bench.get(name) != value and not (name == "layers" and bench.get(name) is None)
+            if bench.get(name) != value and not (name in ("layers", "adamw") and bench.get(name) is None)
         }
         if differ or setting.dtype != "fp32":
             parser.error(
                 f"--measured was run with other settings (bench, plan): {differ}; `logra bench` runs fp32, so "
-                "plan it with --dtype fp32, and --no-checkpointing unless it ran with --checkpointing"
+                "plan it with --dtype fp32, --adamw fused, and --no-checkpointing unless it ran with --checkpointing"
             )
 
     layout = "sharded" if setting.sharded else "replicated"
