@@ -160,6 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="what GaLore and APOLLO-Mini train: all parameters, or only LoGRA's targets (the rest frozen)",
     )
     parser.add_argument(
+        "--peer-proj-gap",
+        type=positive_int,
+        default=None,
+        help="updates between GaLore's and APOLLO-Mini's projection refreshes (default: their READMEs' 200)",
+    )
+    parser.add_argument(
         "--logra-non-target-lr",
         type=positive_float,
         default=None,
@@ -439,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
             "final_window": window,
             "digits": args.digits,
             "peer_scope": args.peer_scope,
+            "peer_proj_gap": args.peer_proj_gap,
             "logra_non_target_lr": args.logra_non_target_lr,
             "device": device_name,
         },
@@ -469,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
             probe_dtype=None,  # as the stored results were measured
             warm_start_lr=args.warm_start_lr,
             peer_scope=args.peer_scope,
+            peer_proj_gap=args.peer_proj_gap,
             logra_non_target_lr=args.logra_non_target_lr,
         )
         if args.quick:

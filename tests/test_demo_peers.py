@@ -110,6 +110,7 @@ def test_peers_are_opt_in_with_their_own_learning_rates(tmp_path):
         (["--probe-samples", "25"], "--probe-samples must be ≤ 24"),  # the KL meter needs 8 other rows
         (["--probe-samples", "0"], "--probe-samples"),
         (["--probe-dtype", "float16"], "--probe-dtype"),
+        (["--peer-proj-gap", "0"], "--peer-proj-gap"),
     ],
 )
 def test_bad_peer_options_name_the_option(capsys, tmp_path, argv, expected):
@@ -166,6 +167,39 @@ def test_peer_scope_targets_trains_only_logra_targets(method, rank):
     optimizer = low_rank_optimizer(model, method, 32, lr=1e-3)
     (group,) = optimizer.param_groups
     assert {id(p) for p in group["params"]} == targets and group["rank"] == rank
+
+
+@pytest.mark.parametrize("method", ["galore", "apollo-mini"])
+def test_the_peers_refresh_their_projection_at_the_gap_asked_for(method):
+    """``proj_gap`` (``--peer-proj-gap``) reaches the package's projector, which then refreshes on
+    that schedule: with a gap of 2 the projection of step 2 differs from that of step 1; with the
+    READMEs' 200 it stays. Bad gaps are refused by name, in the settings and on the command line."""
+    from logra_optim.cli.peers import low_rank_optimizer
+    from tests.helpers.tiny import tiny_qwen2
+
+    def projections(gap):
+        torch.manual_seed(0)
+        model = demo.prepare_model(tiny_qwen2(), method, rank=8, peer_scope="targets")
+        optimizer = low_rank_optimizer(model, method, 8, gap, lr=1e-3)
+        (group,) = optimizer.param_groups
+        assert group["update_proj_gap"] == (200 if gap is None else gap)
+        weight = group["params"][0]
+        seen = []
+        for _ in range(3):
+            for param in group["params"]:
+                param.grad = torch.randn_like(param)
+            optimizer.step()
+            projector = optimizer.state[weight]["projector"]
+            seen.append(projector.ortho_matrix.clone())
+        return seen
+
+    refreshed, kept = projections(2), projections(None)
+    assert not torch.equal(refreshed[1], refreshed[2]) and torch.equal(refreshed[0], refreshed[1])
+    assert torch.equal(kept[0], kept[2])
+    with pytest.raises(ValueError, match="proj_gap must be a positive integer"):
+        low_rank_optimizer(tiny_qwen2(), method, 8, 0, lr=1e-3)
+    with pytest.raises(ValueError, match="peer_proj_gap must be a positive integer"):
+        demo.DemoSettings(output="unused", peer_proj_gap=0)
 
 
 def test_a_bad_peer_scope_is_refused_by_name(capsys, tmp_path):

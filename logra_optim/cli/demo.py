@@ -141,6 +141,8 @@ class DemoSettings:
     # AdamW on the rest, as their users run them) or only LoGRA's "targets" (the rest frozen, the
     # same trained set as LoGRA, AdamW on the targets and LoRA).
     peer_scope: str = "all"
+    # Steps between GaLore's and APOLLO-Mini's projection refreshes (None: their READMEs' 200).
+    peer_proj_gap: int | None = None
     # LoGRA trains its target matrices only, the rest frozen as in the paper, unless this is set: then
     # AdamW at this rate trains every other parameter (embeddings, norms, biases) beside it, through
     # LoGRAOptimizer's non_target_optimizer, as GaLore and APOLLO-Mini do with peer_scope "all".
@@ -182,6 +184,9 @@ class DemoSettings:
             )
         if self.peer_scope not in PEER_SCOPES:
             raise ValueError(f"peer_scope must be one of {', '.join(PEER_SCOPES)}, got {self.peer_scope!r}")
+        gap = self.peer_proj_gap
+        if gap is not None and (isinstance(gap, bool) or not isinstance(gap, int) or gap < 1):
+            raise ValueError(f"peer_proj_gap must be a positive integer or None, got {gap!r}")
         rate = self.logra_non_target_lr
         if rate is not None and not (isinstance(rate, int | float) and math.isfinite(rate) and rate > 0):
             raise ValueError(f"logra_non_target_lr must be a positive finite learning rate or None, got {rate!r}")
@@ -292,6 +297,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="what GaLore and APOLLO-Mini train: all parameters, or only LoGRA's targets (the rest frozen)",
     )
     parser.add_argument(
+        "--peer-proj-gap",
+        type=positive_int,
+        default=None,
+        help="updates between GaLore's and APOLLO-Mini's projection refreshes (default: their READMEs' 200)",
+    )
+    parser.add_argument(
         "--logra-non-target-lr",
         type=positive_float,
         default=None,
@@ -379,6 +390,7 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         galore_lr=args.galore_lr,
         apollo_mini_lr=args.apollo_mini_lr,
         peer_scope=args.peer_scope,
+        peer_proj_gap=args.peer_proj_gap,
         logra_non_target_lr=args.logra_non_target_lr,
         eval_every=args.eval_every,
         warm_start_steps=warm,
@@ -634,7 +646,7 @@ def prepare_model(model, method: str, rank: int, peer_scope: str = "all"):
     return model
 
 
-def peer_optimizer(model, method: str, args, rank: int):
+def peer_optimizer(model, method: str, args, rank: int, proj_gap: int | None = None):
     """For a low-rank peer (``galore``, ``apollo-mini``): its optimizer over every trainable parameter of
     ``model`` (GaLore at ``rank``; APOLLO-Mini is rank 1), with the trainer's AdamW settings
     (``args``: the ``GRPOConfig``), for ``GRPOTrainer(optimizers=(optimizer, None))``; ``None`` for
@@ -649,7 +661,7 @@ def peer_optimizer(model, method: str, args, rank: int):
         eps=args.adam_epsilon,
         weight_decay=args.weight_decay,
     )
-    return low_rank_optimizer(model, method, rank, **adamw)
+    return low_rank_optimizer(model, method, rank, proj_gap, **adamw)
 
 
 def run_worker(spec: dict) -> dict:
@@ -691,7 +703,7 @@ def run_worker(spec: dict) -> dict:
         train_dataset=dataset,
         processing_class=tokenizer,
         callbacks=[progress_callback(settings.steps), evaluations, meter],
-        optimizers=(peer_optimizer(model, method, args, settings.rank), None),
+        optimizers=(peer_optimizer(model, method, args, settings.rank, settings.peer_proj_gap), None),
     )
     probe_dtype = None
     if method == "logra":

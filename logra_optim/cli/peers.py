@@ -68,12 +68,16 @@ def trainable(model) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def low_rank_optimizer(model, method: str, rank: int, **adamw) -> torch.optim.Optimizer:
+def low_rank_optimizer(model, method: str, rank: int, proj_gap: int | None = None, **adamw) -> torch.optim.Optimizer:
     """The optimizer of a low-rank peer (one of ``LOW_RANK_PEERS``) over every trainable parameter
     of ``model``: GaLore's or APOLLO's rule on the weights of LoGRA's targets (rank ``rank``, or
     ``FIXED_RANKS[method]``), plain AdamW on the rest: after :func:`train_only_targets` only the
-    stacked experts of a mixture-of-experts model, which neither package projects. ``adamw``: the
-    optimizer's ``lr``, ``betas``, ``eps``, ``weight_decay``."""
+    stacked experts of a mixture-of-experts model, which neither package projects. ``proj_gap``:
+    steps between projection refreshes (``update_proj_gap``; default their READMEs' 200, which a
+    run of a few hundred updates refreshes once or twice, where LoGRA redraws its ``A`` every 10).
+    ``adamw``: the optimizer's ``lr``, ``betas``, ``eps``, ``weight_decay``."""
+    if proj_gap is not None and (isinstance(proj_gap, bool) or not isinstance(proj_gap, int) or proj_gap < 1):
+        raise ValueError(f"proj_gap must be a positive integer or None, got {proj_gap!r}")
     if method not in LOW_RANK_PEERS:
         raise ValueError(f"unknown low-rank peer {method!r}; choose from {', '.join(LOW_RANK_PEERS)}")
     low_rank = {id(module.weight) for _, module in find_target_modules(model)}
@@ -94,5 +98,7 @@ def low_rank_optimizer(model, method: str, rank: int, **adamw) -> torch.optim.Op
         from apollo_torch import APOLLOAdamW as build
 
         settings = {"rank": FIXED_RANKS.get(method, rank), **APOLLO_SETTINGS[method]}
+    if proj_gap is not None:
+        settings["update_proj_gap"] = proj_gap
     groups = [{"params": regular}, {"params": projected, **settings}]
     return build([group for group in groups if group["params"]], **adamw)  # no empty group: nothing else trains
