@@ -255,13 +255,13 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         options = StepOptions(
             rank=rank,
             expert_rank=expert_rank,
-            seed=int(seed),
+            seed=seed,
             projection=projection,
-            refresh=bool(refresh),
+            refresh=refresh,
             refresh_every=refresh_every,
-            share_projections=bool(share_projections),
+            share_projections=share_projections,
             wire_dtype=wire_dtype,
-            stochastic_rounding=bool(stochastic_rounding),
+            stochastic_rounding=stochastic_rounding,
         )
         kl = KLOptions(
             budget=kl_budget,
@@ -493,7 +493,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         # merge writes into the shards, which the next forward must gather again.
         dp.reshard(self._fsdp2)
         finite, sharded_sq, sixteen_bit = self._synchronise()
-        if sixteen_bit:
+        if finite and sixteen_bit:  # a skipped update leaves every piece of state as it was
             self.polar_floor = POLAR_FLOOR_16BIT
         if not finite:
             self.nonfinite_skips += 1

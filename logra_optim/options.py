@@ -82,6 +82,10 @@ def param_group_defaults(
     )
 
 
+# Dtypes a factor may be rounded to before it is merged and sent: bf16 keeps fp32's range.
+WIRE_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
+
+
 @dataclass(frozen=True)
 class StepOptions:
     """The settings of every update that are not the param group's: the projections (rank, seed,
@@ -102,12 +106,18 @@ class StepOptions:
         if self.expert_rank is not None:
             _non_negative_int("expert_rank", self.expert_rank, minimum=1)
         _non_negative_int("refresh_every", self.refresh_every, minimum=1)
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        for name in ("refresh", "share_projections", "stochastic_rounding"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.projection not in PROJECTIONS:
             raise ValueError(f"projection must be one of {PROJECTIONS}, got {self.projection!r}")
-        if self.wire_dtype is not None and not (
-            isinstance(self.wire_dtype, torch.dtype) and self.wire_dtype.is_floating_point
-        ):
-            raise ValueError(f"wire_dtype must be a floating torch.dtype or None, got {self.wire_dtype!r}")
+        if self.wire_dtype is not None and self.wire_dtype not in WIRE_DTYPES:
+            raise ValueError(
+                f"wire_dtype must be one of {WIRE_DTYPES} or None, got {self.wire_dtype!r}: float16's range "
+                "overflows a large factor to inf and its subnormals keep a few bits of a small one"
+            )
 
     def rank_for(self, experts: int) -> int:
         """The sketch rank of a target stacking ``experts`` matrices (``expert_rank`` for experts)."""

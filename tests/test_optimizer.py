@@ -383,7 +383,15 @@ def test_state_dict_keeps_the_projection_sharing(batch):
         (dict(refresh_every=0), ValueError, "refresh_every must be a positive integer, got 0"),
         (dict(refresh_every=2.5), ValueError, "refresh_every must be a positive integer"),
         (dict(eps=0), ValueError, "eps must be a positive"),
-        (dict(wire_dtype=torch.int8), ValueError, "wire_dtype must be a floating"),
+        (dict(wire_dtype=torch.int8), ValueError, "wire_dtype must be one of"),
+        (dict(wire_dtype=torch.float16), ValueError, "wire_dtype must be one of .*float16's range"),
+        (dict(wire_dtype=torch.float8_e5m2), ValueError, "wire_dtype must be one of"),
+        (dict(seed="abc"), ValueError, "seed must be an integer, got 'abc'"),
+        (dict(seed=1.7), ValueError, "seed must be an integer, got 1.7"),
+        (dict(seed=None), ValueError, "seed must be an integer, got None"),
+        (dict(refresh="no"), ValueError, "refresh must be True or False, got 'no'"),
+        (dict(share_projections=1), ValueError, "share_projections must be True or False, got 1"),
+        (dict(stochastic_rounding="no"), ValueError, "stochastic_rounding must be True or False"),
     ],
 )
 def test_bad_arguments_are_rejected_with_their_name(tiny, kwargs, error, match):
@@ -746,6 +754,17 @@ def test_a_16bit_sketch_keeps_its_rounding_noise_small_in_the_orthogonal_directi
     assert not any(t.state.sketched_in_16_bit for t in double_opt.targets)
     double_opt.step()
     assert double_opt.polar_floor == POLAR_FLOOR
+
+
+def test_a_skipped_16bit_update_leaves_the_floor_as_it_was():
+    """A non-finite sketch skips the update with every piece of state as it was: the 16-bit floor
+    too, which only noise that reached the first moment calls for."""
+    model, opt = two_linear(rank=6, kl_budget=None, update_ratio=1e-3)
+    with pytest.warns(RuntimeWarning, match="non-finite"), torch.autocast("cpu", dtype=torch.bfloat16):
+        (model(torch.randn(2, 12)) * float("nan")).sum().backward()
+        opt.step()
+    assert opt.nonfinite_skips == 1 and opt.polar_floor == POLAR_FLOOR
+    assert opt.state_dict()["logra"]["polar_floor"] == POLAR_FLOOR
 
 
 def test_a_rowadam_checkpoint_resumes_with_rowadam_under_the_orthogonal_default():
