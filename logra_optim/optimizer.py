@@ -555,20 +555,26 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                 transfers[key] = basis_change(old.generate(), new.generate())
             state["first_moment"] = carry_first_moment(state["first_moment"], transfers[key])
 
-    def _refuse_missing_row_moments(self, state_dict: dict[str, Any]) -> None:
-        """A RowAdam checkpoint loaded into a template (``torch.distributed.checkpoint``) built by an
-        optimizer with another direction arrives without its row moments: the template had no such
-        entry. Resuming would restart them from zero under a step count that is not, so refuse."""
-        if state_dict["param_groups"][0].get("direction") != "rowadam":
-            return
+    def _refuse_missing_moments(self, state_dict: dict[str, Any]) -> None:
+        """A checkpoint loaded into a template (``torch.distributed.checkpoint``) built by an
+        optimizer with other settings arrives without the moments the template had no entry for:
+        RowAdam's row moments under another direction, the first moment under ``beta1=0``. Resuming
+        would restart them from zero under a step count and bias correction that are not, so refuse."""
+        group = state_dict["param_groups"][0]
+        needed = {
+            "row_second_moment": ("direction='rowadam'", group.get("direction") == "rowadam"),
+            "first_moment": (f"beta1={group.get('beta1')}", float(group.get("beta1", 0.0)) > 0.0),
+        }
         for index, entry in state_dict["state"].items():
-            if float(entry.get("step", 0)) > 0 and "row_second_moment" not in entry:
-                raise ValueError(
-                    f"state_dict: target {self._targets[int(index)].name!r} was trained with "
-                    "direction='rowadam' but its row_second_moment is missing (a checkpoint loaded into the "
-                    "template of an optimizer with another direction drops it); build the optimizer with "
-                    "direction='rowadam' before loading this checkpoint"
-                )
+            if float(entry.get("step", 0)) <= 0:
+                continue
+            for key, (setting, saved) in needed.items():
+                if saved and key not in entry:
+                    raise ValueError(
+                        f"state_dict: target {self._targets[int(index)].name!r} was trained with {setting} but "
+                        f"its {key} is missing (a checkpoint loaded into the template of an optimizer built with "
+                        f"other settings drops it); build the optimizer with {setting} before loading this checkpoint"
+                    )
 
     def _refuse_other_targets(self, saved: list[str] | None) -> None:
         """Per-target state is loaded by position, so a checkpoint of other targets (``k_proj``
@@ -885,7 +891,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             raise ValueError("state_dict and optimizer disagree on whether a non_target_optimizer is used")
         self._refuse_other_targets(logra.get("targets"))
         state_dict["param_groups"] = [upgrade_param_group(g) for g in state_dict["param_groups"]]
-        self._refuse_missing_row_moments(state_dict)
+        self._refuse_missing_moments(state_dict)
         super().load_state_dict(state_dict)
         # torch casts floating state to the parameter's dtype; the moments stay fp32, like the sketches.
         for index, target in enumerate(self._targets):

@@ -822,6 +822,24 @@ def test_a_rowadam_checkpoint_through_a_template_loader_is_refused_not_reset(tmp
         assert all(torch.equal(loaded[index][key], value) for key, value in entry.items()), index
 
 
+def test_a_first_moment_checkpoint_through_a_template_loader_is_refused_not_reset(tmp_path):
+    """The same for the first moment: a ``beta1=0.9`` checkpoint loaded into the template of a
+    ``beta1=0`` optimizer would drop it, while the loaded group's ``beta1`` and step count assume it;
+    refused, naming the fix. Built with the saved ``beta1``, it resumes."""
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = two_linear(rank=3, beta1=0.9, update_ratio=1e-2)
+    backward_random(model, torch.Generator().manual_seed(0))
+    opt.step()
+    dcp.save({"optim": opt}, checkpoint_id=str(tmp_path))
+    _, without = two_linear(rank=3, beta1=0.0, update_ratio=1e-2)
+    with pytest.raises(ValueError, match=r"'up' was trained with beta1=0.9 but its first_moment is missing"):
+        dcp.load({"optim": without}, checkpoint_id=str(tmp_path))
+    _, resumed = two_linear(rank=3, beta1=0.9, update_ratio=1e-2)
+    dcp.load({"optim": resumed}, checkpoint_id=str(tmp_path))
+    assert_same_state(resumed.state_dict()["state"], opt.state_dict()["state"])
+
+
 def test_a_checkpoint_saved_with_the_old_group_key_loads():
     model = patch_model(OneLinear(8, 6, seed=2), target_modules=["proj"])
     opt = LoGRAOptimizer(model, rank=2, direction="sgd", update_ratio=1e-2)
