@@ -284,7 +284,8 @@ def patch_model(
     while input gradients flow through them as usual. With ``freeze_non_targets`` (default) every
     other parameter is frozen too, as in the paper (embeddings, norms, ``lm_head``, biases stay
     fixed); unfreeze some and pass ``non_target_optimizer`` to :class:`LoGRAOptimizer` to train
-    them densely. Patching an already patched model adds any new targets and changes nothing else.
+    them densely. Patching an already patched model adds any new targets and changes nothing else;
+    while an optimizer drives its targets, adding any is refused (it would never train them).
 
     ``experts`` (default): the stacked expert weights of mixture-of-experts blocks are targets too
     (per-expert sketches, :mod:`.experts`); a module with stacked weights in a layout LoGRA does not
@@ -320,6 +321,14 @@ def patch_model(
                 f"experts module {name!r} already has an instance-level forward (e.g. accelerate's device_map/offload "
                 "hooks); LoGRA would replace it. Load the model without device_map/offloading, or pass experts=False"
             )
+    new = [name for name, module in targets if not hasattr(module, "_logra")]
+    new += [name for name, module, _ in expert_modules if not hasattr(module, "_logra_experts")]
+    if new and any(target_state(module, attribute).bound for _, module, attribute in patched_targets(model)):
+        raise RuntimeError(
+            f"patch_model: this model's targets are driven by a LoGRAOptimizer, which would never train the new "
+            f"targets {new[:3]}{' …' if len(new) > 3 else ''} (they would only be frozen); patch every target "
+            "before building the optimizer, or build a new optimizer after patching"
+        )
     record: PatchRecord | None = getattr(model, "_logra_patch", None)
     first_patch = record is None
     if first_patch:

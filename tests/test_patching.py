@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import re
 import warnings
 
@@ -15,7 +16,7 @@ import torch.nn as nn
 
 from logra_optim import LoGRAOptimizer, find_target_modules, patch_model, patched_modules, unpatch_model
 from tests.helpers.recorders import OutputShapes
-from tests.helpers.tiny import OneLinear, fixed_batch, sketches, tiny_qwen2
+from tests.helpers.tiny import OneLinear, TwoLinear, fixed_batch, sketches, tiny_qwen2
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -510,3 +511,22 @@ def test_a_dense_model_gets_no_expert_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         patch_model(tiny_qwen2())
+
+
+def test_adding_targets_under_a_live_optimizer_is_refused():
+    """A second ``patch_model`` would freeze the new targets where no optimizer trains them (the
+    bound one keeps its own list): refused, naming them. Without new targets it changes nothing; once
+    the optimizer is gone, targets can be added and a new optimizer trains them."""
+    model = patch_model(TwoLinear(), target_modules=["up"])
+    model.down.weight.requires_grad_(True)
+    optimizer = LoGRAOptimizer(
+        model, rank=3, update_ratio=1e-2, non_target_optimizer=lambda p: torch.optim.SGD(p, lr=0.1)
+    )
+    with pytest.raises(RuntimeError, match=r"would never train the new targets \['down'\]"):
+        patch_model(model, target_modules=["down"])
+    assert model.down.weight.requires_grad and not hasattr(model.down, "_logra")
+    patch_model(model, target_modules=["up"])  # nothing new
+    del optimizer
+    gc.collect()
+    patch_model(model, target_modules=["down"])
+    assert [t.name for t in LoGRAOptimizer(model, rank=3, update_ratio=1e-2).targets] == ["up", "down"]
