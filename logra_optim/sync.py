@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from .projection import PROJECTIONS, make_projection
-from .updates import all_finite, merge_low_rank_, merge_low_rank_compensated_
+from .updates import all_finite, merge_low_rank_, merge_low_rank_block_, merge_low_rank_compensated_
 
 PAYLOAD_FORMAT = "logra-sync"
 PAYLOAD_VERSION = 4
@@ -279,31 +279,39 @@ def merge_like_trainer_(
     update_index: int,
     compensation: torch.Tensor | None = None,
     factor_rows: slice = slice(None),
+    projection_cols: slice = slice(None),
 ) -> None:
-    """Apply one target update to an engine's copy of (rows of) the weight as the trainer applied it
-    to its own: ``W[rows] ← W[rows] − F[factor_rows] A``.
+    """Apply one target update to an engine's copy of (a block of) the weight as the trainer applied
+    it to its own: ``W[rows, cols] ← W[rows, cols] − F[factor_rows] A[:, projection_cols]``
+    (``projection``: the whole ``A``).
 
     Against an ``"exact"`` (fp32-master) trainer, a 32/64-bit copy merges exactly and a 16-bit copy
     keeps ``compensation`` (same shape and dtype as ``weight``; required then): Kahan summation, so
     that no update is rounded away. Against a bf16 trainer, any copy repeats the trainer's rounding
     to bf16 (stochastic with the same seed, or to nearest), so that it holds the trainer's values:
-    bit-identical when the copy holds the whole matrix on the same kind of device.
+    bit-identical on the same kind of device, a tensor-parallel block too (it takes its part of the
+    noise the whole matrix draws: :func:`~logra_optim.updates.merge_low_rank_block_`).
     """
-    factor = target.factor.to(weight.device)[factor_rows]
+    whole = target.factor.to(weight.device)
+    factor, block = whole[factor_rows], projection[:, projection_cols]
     if target.rounding == "exact":
         if weight.element_size() >= 4:
-            merge_low_rank_(weight, factor, projection)
+            merge_low_rank_(weight, factor, block)
         elif compensation is None:
             raise ValueError(f"{target.name!r}: a 16-bit copy of an fp32-master trainer needs a compensation buffer")
         else:
-            merge_low_rank_compensated_(weight, compensation, factor, projection)
+            merge_low_rank_compensated_(weight, compensation, factor, block)
         return
     generator = None
     if target.rounding == "stochastic":
         generator = torch.Generator(device=weight.device)
         generator.manual_seed(rounding_seed(target.seed, update_index))
     copy = weight if weight.dtype == torch.bfloat16 else weight.to(torch.bfloat16)
-    merge_low_rank_(copy, factor, projection, stochastic_rounding=target.rounding == "stochastic", generator=generator)
+    if target.rounding == "stochastic" and (factor_rows, projection_cols) != (slice(None), slice(None)):
+        merge_low_rank_block_(copy, whole, projection, factor_rows, projection_cols, generator=generator)
+    else:
+        stochastic = target.rounding == "stochastic"
+        merge_low_rank_(copy, factor, block, stochastic_rounding=stochastic, generator=generator)
     if copy is not weight:
         weight.copy_(copy)
 

@@ -265,8 +265,13 @@ def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator | None 
     ``E[round(x)] = x``, so updates far below bf16's resolution still move the weight on average
     instead of vanishing. Adds uniform noise to the 16 bits that bf16 drops, then truncates.
     """
+    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
+    return _round_with_noise_to_bf16(x, noise)
+
+
+def _round_with_noise_to_bf16(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """:func:`stochastic_round_to_bf16` with its 16-bit uniform ``noise`` (int32, ``x``'s shape) given."""
     bits = x.contiguous().view(torch.int32)
-    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=x.device, generator=generator)
     rounded = (bits + noise) & -65536
     # Non-finite values must not be carried into the exponent by the noise.
     rounded = torch.where(torch.isfinite(x), rounded, bits)
@@ -314,6 +319,46 @@ def merge_low_rank_(
         else:
             weight[rows] = updated.to(weight.dtype)
     return weight
+
+
+def merge_low_rank_block_(
+    block: torch.Tensor,
+    factor: torch.Tensor,
+    projection: torch.Tensor,
+    rows: slice,
+    cols: slice,
+    *,
+    generator: torch.Generator | None = None,
+    chunk_bytes: int = MERGE_CHUNK_BYTES,
+) -> torch.Tensor:
+    """``W[rows, cols] ← W[rows, cols] − (F A)[rows, cols]`` on ``block``, a bf16 tensor holding that
+    block of a ``d×k`` matrix (``factor``: the whole ``F``, ``d×r``; ``projection``: the whole ``A``,
+    ``r×k``), rounded stochastically with the noise a merge of the whole matrix
+    (:func:`merge_low_rank_` with the same ``generator`` and ``chunk_bytes``) draws for those entries.
+
+    Why: a tensor-parallel engine holds blocks of a bf16 trainer's matrix. Drawing each block's noise
+    as if it were a matrix of its own gives every rank but the first other uniforms than the
+    trainer's, and its copy then drifts from the trainer's like a random walk. Here each row chunk of
+    the whole matrix draws its noise in order and the block takes its part, so that every block holds
+    the trainer's values. Chunks after the block's last row are not drawn."""
+    d, k = factor.shape[0], projection.shape[1]
+    first, end, step = rows.indices(d)
+    if step != 1 or cols.indices(k)[2] != 1 or block.dtype != torch.bfloat16:
+        raise ValueError(f"merge_low_rank_block_: a bf16 block of contiguous rows and columns, got {block.dtype}")
+    projection32 = projection[:, cols].float()
+    rows_per_chunk = max(1, chunk_bytes // (4 * k))
+    for start in range(0, end, rows_per_chunk):
+        stop = min(start + rows_per_chunk, d)
+        noise = torch.randint(
+            0, 1 << 16, (stop - start, k), dtype=torch.int32, device=block.device, generator=generator
+        )
+        low, high = max(start, first), min(stop, end)
+        if low >= high:
+            continue
+        local = slice(low - first, high - first)
+        updated = torch.addmm(block[local].float(), factor[low:high].float(), projection32, alpha=-1.0)
+        block[local] = _round_with_noise_to_bf16(updated, noise[low - start : high - start, cols])
+    return block
 
 
 def merge_transposed_experts_(

@@ -22,12 +22,15 @@ from logra_optim.sync import (
     Update,
     UpdateRecorder,
     checksum_probe,
+    merge_like_trainer_,
     projection_of,
     projections_of,
     relative_drift,
+    rounding_seed,
     sparse_delta,
     weight_checksum,
 )
+from logra_optim.updates import merge_low_rank_, merge_low_rank_block_
 from tests.helpers.reference import merged
 from tests.helpers.tiny import TwoLinear, tiny_qwen2
 from logra_optim.patching import target_state
@@ -364,6 +367,81 @@ def test_merged_and_row_parallel_placements_match_dense_reference(tp_size, rows,
         local_down = down[:, rows_of].clone()
         local_down[p.param_rows] -= f_down[p.factor_rows] @ a_mid[:, p.projection_cols]
         torch.testing.assert_close(local_down, new_down[:, rows_of], rtol=1e-12, atol=1e-12)
+
+
+@given(
+    tp_size=st.sampled_from([2, 4]),
+    rows=st.integers(1, 6),
+    cols=st.integers(1, 6),
+    chunk_rows=st.integers(1, 9),
+    seed=st.integers(0, 2**20),
+)
+def test_tensor_parallel_blocks_follow_a_bf16_trainers_stochastic_rounding(tp_size, rows, cols, chunk_rows, seed):
+    """Against a bf16 trainer (stochastic rounding), every tensor-parallel block of a column- or
+    row-parallel layer, merged with ``merge_like_trainer_``, equals the trainer's merged matrix bit for
+    bit over several updates: each block takes its part of the noise the whole matrix draws, chunk by
+    chunk. (Drawn as a matrix of its own, every rank but the first would drift from the trainer.)
+    ``merge_low_rank_block_`` is checked directly at chunk sizes of a few rows too."""
+    generator = torch.Generator().manual_seed(seed)
+    d, k, rank = rows * tp_size, cols * tp_size, 3
+    trainer = torch.randn(d, k, generator=generator).to(torch.bfloat16)
+    column = [trainer[i * rows : (i + 1) * rows].clone() for i in range(tp_size)]
+    row = [trainer[:, i * cols : (i + 1) * cols].clone() for i in range(tp_size)]
+    for index in (1, 2, 3):
+        projection = make_projection(seed + index, rank, k, "rademacher")
+        target = TargetUpdate("w", seed + index, k, 1e-2 * torch.randn(d, rank, generator=generator), "stochastic")
+        noise = torch.Generator().manual_seed(rounding_seed(target.seed, index))
+        merge_low_rank_(trainer, target.factor, projection, generator=noise)
+        for tp_rank in range(tp_size):
+            (placement,) = column_parallel_placements("w", ["w"], [d], [rows], [tp_rank], k).values()
+            merge_like_trainer_(column[tp_rank], target, projection, index, None, placement.factor_rows)
+            placement = row_parallel_placement("w", d, cols, tp_rank, tp_size)
+            merge_like_trainer_(
+                row[tp_rank], target, projection, index, None, placement.factor_rows, placement.projection_cols
+            )
+        assert torch.equal(torch.cat(column), trainer) and torch.equal(torch.cat(row, dim=1), trainer)
+    factor, projection = torch.randn(d, rank, generator=generator), make_projection(seed, rank, k, "rademacher")
+    whole = trainer.clone()
+    merge_low_rank_(
+        whole, factor, projection, generator=torch.Generator().manual_seed(seed), chunk_bytes=4 * k * chunk_rows
+    )
+    first, last = sorted(torch.randint(0, d + 1, (2,), generator=generator).tolist())
+    block_rows, block_cols = slice(first, max(last, first + 1)), slice(cols, 2 * cols)
+    block = trainer[block_rows, block_cols].clone()
+    merge_low_rank_block_(
+        block,
+        factor,
+        projection,
+        block_rows,
+        block_cols,
+        generator=torch.Generator().manual_seed(seed),
+        chunk_bytes=4 * k * chunk_rows,
+    )
+    assert torch.equal(block, whole[block_rows, block_cols])
+
+
+@given(tp_size=st.sampled_from([1, 2, 4]), rows=st.integers(1, 4), cols=st.integers(1, 4), seed=st.integers(0, 999))
+def test_the_block_a_rank_checksums_of_a_whole_shadow_is_its_share(tp_size, rows, cols, seed):
+    """In reload mode each rank's shadow holds the whole HF matrix, and the drift check compares the
+    rank's block of it (``Placement.block_of``) with the trainer's rows from ``factor_rows.start``:
+    column-parallel blocks are row ranges of ``W p``, row-parallel ones partial sums that add up to
+    it over the ranks, each as long as the rows the rank serves."""
+    d, k = rows * tp_size, cols * tp_size
+    matrix = torch.randn(d, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    probe = checksum_probe(seed, k)
+    whole = weight_checksum(matrix, probe)
+    partials = torch.zeros_like(whole)
+    for tp_rank in range(tp_size):
+        (column,) = column_parallel_placements("w", ["w"], [d], [rows], [tp_rank], k).values()
+        sums = weight_checksum(column.block_of(matrix), probe[column.projection_cols])
+        start = column.factor_rows.start
+        assert sums.numel() == column.param_rows.stop - column.param_rows.start
+        torch.testing.assert_close(sums, whole[start : start + sums.numel()], rtol=0, atol=0)
+        row = row_parallel_placement("w", d, cols, tp_rank, tp_size)
+        sums = weight_checksum(row.block_of(matrix), probe[row.projection_cols])
+        assert sums.numel() == row.param_rows.stop - row.param_rows.start == d
+        partials += sums
+    torch.testing.assert_close(partials, whole, rtol=1e-12, atol=1e-12)
 
 
 # --------------------------------------------------------------------------------------------------

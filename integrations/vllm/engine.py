@@ -513,8 +513,15 @@ class EngineUpdater:
                 if isinstance(placement, ExpertsPlacement):
                     merge_into_experts_(rows, placement, target, projection, update.index, compensation)
                     continue
-                projection = projection[:, placement.projection_cols]
-                merge_like_trainer_(rows, target, projection, update.index, compensation, placement.factor_rows)
+                merge_like_trainer_(
+                    rows,
+                    target,
+                    projection,
+                    update.index,
+                    compensation,
+                    placement.factor_rows,
+                    placement.projection_cols,
+                )
 
     def unknown_targets(self, names: list[str]) -> list[str]:
         """The ``names`` this engine has no placement for (its model does not map onto them)."""
@@ -602,8 +609,8 @@ class EngineUpdater:
             layer = layers[placement.module]
             result["tp_size"] = getattr(layer, "tp_size", 1)
             probe = checksum_probe(projection_seed(seed, 0, name), placement.in_features)[placement.projection_cols]
-            if state["mode"] == "reload":
-                copy = weight_checksum(state["shadows"][name], probe)
+            if state["mode"] == "reload":  # the shadow holds the whole matrix: check this rank's block of it
+                copy = weight_checksum(placement.block_of(state["shadows"][name]), probe)
             else:
                 weight = layer.weight.data[placement.param_rows]
                 result["copy_dtype"] = str(weight.dtype)

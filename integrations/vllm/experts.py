@@ -152,7 +152,8 @@ def merge_into_experts_(
 
     Where the rank holds the whole matrix unpadded (no tensor or expert parallelism), it is merged
     as one matrix, as the trainer merged it, so that a bf16 trainer's stochastic rounding draws the
-    same noise and the copy stays bit-identical; block by block, each block draws its own."""
+    same noise and the copy stays bit-identical; block by block, each block takes its part of the
+    noise the whole matrix draws (:func:`~logra_optim.updates.merge_low_rank_block_`)."""
     target = dataclasses.replace(target, factor=target.factor.to(param.device))  # once, not per block
     rows = _as_whole_matrix(param, placement)
     if rows is not None:
@@ -164,8 +165,9 @@ def merge_into_experts_(
         merge_like_trainer_(
             param[where],
             target,
-            projection[:, block.projection_cols],
+            projection,
             update_index,
             None if compensation is None else compensation[where],
             block.factor_rows,
+            block.projection_cols,
         )

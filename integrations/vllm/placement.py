@@ -31,6 +31,11 @@ class Placement:
     projection_cols: slice
     whole_only: bool = False  # see checkpoint_fused_placement
 
+    def block_of(self, matrix):
+        """This rank's block ``W[factor_rows, projection_cols]`` of the whole HF matrix ``matrix``
+        (a reload-mode shadow): what ``W_local[param_rows]`` holds."""
+        return matrix[self.factor_rows, self.projection_cols]
+
 
 def checkpoint_fused_placement(module: str, out_features: int, in_features: int) -> Placement:
     """A matrix the checkpoint already stores fused (Phi-3's ``qkv_proj`` / ``gate_up_proj``,

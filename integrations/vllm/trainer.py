@@ -329,22 +329,23 @@ class VLLMServer:
     def _session(self, infos: Iterable[tuple[dict, list | None]], version: int | None = None) -> int:
         """One update session: ``/start_weight_update``, one ``/update_weights`` per info (made as it is
         sent), ``/finish_weight_update`` with ``version`` as vLLM's weight version; returns the bytes
-        sent. vLLM ends the session itself when it refuses an update; after any other failure (a
-        timeout, a lost connection) it is closed here where possible. Either way the next call
-        initialises the server again, which may have restarted."""
+        sent. After any failure, the start's included, the session is finished here where possible:
+        vLLM ends it on a worker that refuses an update, but under tensor parallelism the others may
+        not have refused (the drift check is per rank) and stay in it, and the next start would be
+        refused on them for ever. Finishing a session a worker already ended only fails there. Either
+        way the next call initialises the server again, which may have restarted."""
         self.initialise()
-        self._request("/start_weight_update")
         sent = 0
         try:
+            self._request("/start_weight_update")
             for info, tensors in infos:
                 sent += self._send(info, tensors)
-        except BaseException as error:
+        except BaseException:
             self._drop_link()
-            if not isinstance(error, ServerError):
-                try:
-                    self._request("/finish_weight_update")
-                except (RuntimeError, OSError):
-                    pass  # already closed, or the server is gone
+            try:
+                self._request("/finish_weight_update")
+            except (RuntimeError, OSError):
+                pass  # already ended on every worker, or the server is gone
             raise
         self._request("/finish_weight_update", {} if version is None else {"weight_version": str(version)})
         return sent
