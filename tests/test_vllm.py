@@ -433,8 +433,9 @@ def test_stock_vllm_serve_with_the_logra_backend(policy_path, logra_server):
     # Full weights that do not fit, or a shadow dtype that is not floating: refused before loading.
     with pytest.raises(ServerError, match=r"is \(3, 3\), the engine's is"):
         sync.engine.full_sync([(target.parameter_name, torch.zeros(3, 3))], 11, "float32")
-    with pytest.raises(ServerError, match="shadow_dtype must be a floating dtype"):
-        sync.engine.full_sync([(target.parameter_name, target.weight.detach())], 11, "int8")
+    for dtype in ("int8", "float8_e4m3fn"):  # an 8-bit float would round away every update
+        with pytest.raises(ServerError, match="shadow_dtype must be a floating dtype of at least 16 bits"):
+            sync.engine.full_sync([(target.parameter_name, target.weight.detach())], 11, dtype)
     # The trainer-side error for a model that does not map names the server.
     with pytest.raises(ServerError, match=rf"{url}/init_weight_transfer_engine.*'lm.fc.weight'"):
         VLLMServer(url, ["lm.fc.weight"]).initialise()

@@ -71,6 +71,10 @@ LEGACY_EXTENSION = "logra_optim.integrations.vllm.LoGRAWorkerExtension"
 DRIFT_MARKER = "LoGRA sync drift check failed: "
 
 
+# What an engine may keep its copy in: an 8-bit float would round away every update.
+SHADOW_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
 class DriftError(RuntimeError):
     """The engine's copy of the weights has drifted from the trainer's past the bound."""
 
@@ -333,8 +337,11 @@ class EngineUpdater:
         state = self._engine_state()
         weights = _named_tensors(weights)
         index, dtype = int(update_index), wire.dtype(shadow_dtype)
-        if not dtype.is_floating_point:
-            raise PayloadError(f"LoGRA sync: shadow_dtype must be a floating dtype, got {shadow_dtype!r}")
+        if dtype not in SHADOW_DTYPES:
+            raise PayloadError(
+                f"LoGRA sync: shadow_dtype must be a floating dtype of at least 16 bits "
+                f"({', '.join(map(str, SHADOW_DTYPES))}), got {shadow_dtype!r}"
+            )
         self._check_tensors(weights)
         started = time.perf_counter()
         state["index"] = None  # until the load has succeeded
