@@ -523,10 +523,10 @@ class VLLMSync:
         self.engine_index = None  # until the engine has confirmed
         sent, engine_seconds = self.engine.full_sync(weights, self.optimizer.update_index, self.shadow_dtype)
         self.recorder.clear()
+        if self._whole is None:  # raises for targets the engine cannot place: the engine stays unsynced
+            self._whole = self._targets_loaded_whole()
         self.engine_index = self.optimizer.update_index
         self.compressed_since_check = 0
-        if self._whole is None:
-            self._whole = self._targets_loaded_whole()
         return self._finish("full", sent, started, engine_seconds)
 
     def _targets_loaded_whole(self) -> list[tuple[str, torch.Tensor]]:
