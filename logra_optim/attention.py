@@ -132,8 +132,9 @@ def _sdpa_arguments(
 ):
     """The call's arguments by name, or ``None`` where it is left to torch: no tangent, dropout,
     grad mode on, a mask together with ``is_causal`` (an error in torch), fewer than three
-    dimensions, batch dimensions that differ between query, key and value (torch broadcasts them),
-    or query heads that are no multiple of the key/value heads under ``enable_gqa``."""
+    dimensions, batch dimensions (heads too, without ``enable_gqa``) that differ between query, key
+    and value (torch broadcasts them), or query heads that are no multiple of the key/value heads
+    under ``enable_gqa``."""
     duals = [fwAD.unpack_dual(x) for x in (query, key, value)]
     if dropout_p != 0.0 or all(d.tangent is None for d in duals) or torch.is_grad_enabled():
         return None
@@ -141,6 +142,8 @@ def _sdpa_arguments(
         return None
     if not query.shape[:-3] == key.shape[:-3] == value.shape[:-3]:
         return None
+    if key.shape[-3] != value.shape[-3] or (not enable_gqa and query.shape[-3] != key.shape[-3]):
+        return None  # torch broadcasts heads (4-D) or the batch (3-D) of size 1
     if enable_gqa and query.shape[-3] % key.shape[-3] != 0:
         return None
     return dict(

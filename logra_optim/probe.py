@@ -218,6 +218,8 @@ class ContextRecorder:
         self.active = active or (lambda: True)
         self.latest: ProbeContexts | None = None
         self._warned = False
+        # Rotary embeddings see only differences of positions; learned absolute ones see each.
+        self._relative_positions = any("Rotary" in type(module).__name__ for module in model.modules())
         self.handle = model.register_forward_pre_hook(_RecordingHook(self, model), with_kwargs=True)
 
     def record(self, module: nn.Module, args, kwargs) -> None:
@@ -232,7 +234,9 @@ class ContextRecorder:
         unreplayable = (
             "positional arguments behind a wrapper's *args, which cannot be read by name"
             if named is None
-            else _unreplayable(input_ids, named.get("attention_mask"), named.get("position_ids"))
+            else _unreplayable(
+                input_ids, named.get("attention_mask"), named.get("position_ids"), self._relative_positions
+            )
         )
         if unreplayable:
             # Kept, with no probe position: across ranks this rank still takes part in the probe's
@@ -285,14 +289,18 @@ def _named_arguments(module: nn.Module, args, kwargs) -> dict | None:
     return named
 
 
-def _unreplayable(input_ids: torch.Tensor, attention_mask, position_ids) -> str | None:
+def _unreplayable(input_ids: torch.Tensor, attention_mask, position_ids, relative: bool = True) -> str | None:
     """What of a forward's arguments the probe's ``model(input_ids, attention_mask)`` would not
     reproduce, or ``None``.
 
     Positions are replayed as ``0, 1, …``. Given ones that differ from those by one constant per row
     on the attended tokens (left padding with positions counted from the first real token, any
-    value at padded positions) give the same logits with rotary embeddings, which see only
-    differences of positions; positions that restart within a row (packed sequences) do not."""
+    value at padded positions) give the same logits where positions are ``relative`` (rotary
+    embeddings, which see only their differences), not with learned absolute positions; positions
+    that restart within a row (packed sequences) never do. Masks other than a 2-D tensor of
+    ``input_ids``' shape (4-D, a dict of one per layer type) are not replayed either."""
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+        return f"an attention_mask of type {type(attention_mask).__name__}"
     if isinstance(attention_mask, torch.Tensor) and attention_mask.shape != input_ids.shape:
         return f"a {attention_mask.dim()}-D attention_mask of shape {tuple(attention_mask.shape)}"
     if isinstance(position_ids, torch.Tensor):
@@ -307,6 +315,8 @@ def _unreplayable(input_ids: torch.Tensor, attention_mask, position_ids) -> str 
         high = torch.where(attended, offsets, -big).amax(-1)
         if bool((high > low).any()):
             return "position_ids that restart within a row (packed sequences)"
+        if not relative and bool((high != 0).any()):
+            return "position_ids offset from 0, 1, … in a model with absolute position embeddings"
     return None
 
 
@@ -479,15 +489,15 @@ def inference_environment(model: nn.Module) -> Iterator[None]:
     the model object itself when ``mixed_precision`` is bf16/fp16; it keeps the original forward as
     ``_original_forward``)."""
     training = {module: module.training for module in model.modules()}
-    config = getattr(model, "config", None)
-    attention = getattr(config, "_attn_implementation", None)
-    # Only a kernel without forward-AD support is switched (flash, flex, …), and only then restored.
-    switch_attention = attention not in (None, "eager", "sdpa")
+    # Only a kernel without forward-AD support is switched (flash, flex, …), in each (sub-)config
+    # that names one, and only there restored.
+    settings = _attention_settings(getattr(model, "config", None))
+    switched = [(config, kernel) for config, kernel in settings if kernel not in (None, "eager", "sdpa")]
     wrapped_forward = model.__dict__.get("forward") if "_original_forward" in model.__dict__ else None
     try:
         model.eval()
-        if switch_attention:
-            config._attn_implementation = "sdpa"
+        for config, _ in switched:
+            _set_attention(config, "sdpa")
         if wrapped_forward is not None:
             model.forward = model.__dict__["_original_forward"]
         with contextlib.ExitStack() as stack:
@@ -498,10 +508,33 @@ def inference_environment(model: nn.Module) -> Iterator[None]:
     finally:
         for module, flag in training.items():
             module.training = flag
-        if switch_attention:
-            config._attn_implementation = attention
+        for config, kernel in switched:
+            _set_attention(config, kernel)
         if wrapped_forward is not None:
             model.forward = wrapped_forward
+
+
+def _attention_settings(config) -> list[tuple[object, str | None]]:
+    """``(config, attention kernel)`` of a model's config and of every sub-config under it (a
+    multimodal model's text and vision towers may name their own), each config once."""
+    found, seen, pending = [], set(), [config]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen or not hasattr(current, "_attn_implementation"):
+            continue
+        seen.add(id(current))
+        found.append((current, current._attn_implementation))
+        pending += [getattr(current, name, None) for name in getattr(current, "sub_configs", None) or ()]
+    return found
+
+
+def _set_attention(config, kernel) -> None:
+    """Set one config's attention kernel alone: transformers' setter also writes it into every
+    sub-config, whose own settings must stay as they are."""
+    if "_attn_implementation_internal" in vars(config):
+        config._attn_implementation_internal = kernel
+    else:
+        config._attn_implementation = kernel
 
 
 # Device types that torch.autocast accepts (an autocast region elsewhere is not possible).

@@ -105,6 +105,12 @@ def test_mode_routes_dual_calls_and_leaves_the_rest_to_torch(monkeypatch):
         with torch.enable_grad():  # the closed form has no backward: a graph being built is left to torch
             F.scaled_dot_product_attention(fwAD.make_dual(query, tangent), key, value, is_causal=True)
         assert len(calls) == 1
+        # One query head against two key/value heads, or a 3-D batch of one against two: torch
+        # broadcasts them (the closed form would size its output from the query's).
+        for one, two in (((1, 1, 5, 4), (1, 2, 5, 4)), ((1, 5, 4), (2, 5, 4))):
+            single, pair = torch.randn(one), torch.randn(two)
+            out = F.scaled_dot_product_attention(fwAD.make_dual(single, torch.randn(one)), pair, pair)
+            assert len(calls) == 1 and fwAD.unpack_dual(out).primal.shape == two
     torch.testing.assert_close(primal, plain)
     expected, expected_tangent = _reference(
         query.double(), key.double(), value.double(), (tangent.double(), None, None), is_causal=True

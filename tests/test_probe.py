@@ -215,6 +215,65 @@ def test_forwards_the_probe_cannot_replay_are_not_recorded():
     assert opt.kl_control.contexts().tokens > 0
 
 
+def test_a_mask_per_layer_type_and_absolute_positions_off_zero_are_not_replayed():
+    """transformers takes a dict of masks (one per layer type): the training forward goes through and
+    is kept with no probe position, as a 4-D mask is. Positions off ``0, 1, …`` by a constant per row
+    are recorded for rotary models only: a model with learned absolute positions (GPTBigCode) would
+    replay other positions on left-padded rows, so such a forward is not recorded; its default
+    positions are."""
+    from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
+
+    model = patch_model(tiny_qwen2()).train()
+    opt = LoGRAOptimizer(model, rank=4, kl_budget=1e-3)
+    batch = fixed_batch(batch=2)
+    seq = batch["input_ids"].shape[1]
+    causal = {"full_attention": torch.ones(seq, seq).tril().bool().expand(2, 1, seq, seq)}
+    with pytest.warns(UserWarning, match="an attention_mask of type dict"):
+        model(input_ids=batch["input_ids"], attention_mask=causal, labels=batch["input_ids"]).loss.backward()
+    with pytest.raises(RuntimeError, match="no probe contexts"):
+        opt.kl_control.contexts()
+
+    torch.manual_seed(0)
+    config = GPTBigCodeConfig(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=64, multi_query=True)
+    absolute = patch_model(GPTBigCodeForCausalLM(config), target_modules=["c_attn", "c_fc"]).train()
+    opt = LoGRAOptimizer(absolute, rank=4, kl_budget=1e-3)
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    absolute(input_ids=ids, attention_mask=mask)  # default positions: recorded
+    assert opt.kl_control.contexts().tokens > 0
+    with pytest.warns(UserWarning, match="absolute position embeddings"):
+        absolute(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0))
+    with pytest.raises(RuntimeError, match="no probe contexts"):
+        opt.kl_control.contexts()
+
+
+def test_the_probe_switches_fused_attention_in_each_sub_config_and_restores_each():
+    """A multimodal config may name a kernel per tower. Each (sub-)config that names one without
+    forward-AD rules runs SDPA during the probe, and every config gets its own setting back
+    (transformers' setter would write the top level's into every sub-config)."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+    small = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16)
+    config = LlavaConfig(text_config=LlamaConfig(vocab_size=32, **small), vision_config=CLIPVisionConfig(**small))
+    model = nn.Linear(2, 2)
+    model.config = config
+    kernels = lambda: (  # noqa: E731
+        config._attn_implementation,
+        config.text_config._attn_implementation,
+        config.vision_config._attn_implementation,
+    )
+    for before, during in (
+        (("flex_attention", "flex_attention", "eager"), ("sdpa", "sdpa", "eager")),
+        (("sdpa", "flex_attention", "eager"), ("sdpa", "sdpa", "eager")),
+    ):
+        for owner, kernel in zip((config, config.text_config, config.vision_config), before):
+            owner._attn_implementation_internal = kernel
+        with probe.inference_environment(model):
+            assert kernels() == during
+        assert kernels() == before
+
+
 def test_positional_arguments_are_recorded_by_name_and_a_forward_without_ids_clears_the_contexts():
     model = patch_model(tiny_qwen2())
     model.train()
