@@ -180,8 +180,29 @@ def next_directions(
         results.append((numerator, new_state))
     if kind == "orthogonal":
         directions = orthogonal_directions([u for u, _ in results], experts, floor)
+        if experts is not None:
+            directions = [idle_experts_still(u, s, e) for u, s, e in zip(directions, sketches, experts, strict=True)]
         results = [(u, state) for u, (_, state) in zip(directions, results)]
     return results
+
+
+def idle_experts_still(direction: torch.Tensor, sketch: torch.Tensor, experts: int) -> torch.Tensor:
+    """``direction`` with the blocks of the experts whose sketch is zero (no token was routed to
+    them in this update, on any rank) set to zero.
+
+    Why: an orthogonal direction equalises each expert's first moment to unit singular values, so an
+    expert that stops receiving tokens would keep taking full steps along its decaying momentum for
+    as long as it stays idle (with RowAdam or SGD that step decays with the momentum). The KL probe
+    cannot see those steps either (no probed token reaches the expert). So an expert moves only in
+    the updates that routed it tokens; its first moment still decays meanwhile."""
+    if experts == 1:
+        return direction
+    idle = ~sketch.reshape(experts, -1).any(dim=1)
+    if not bool(idle.any()):
+        return direction
+    return (
+        direction.reshape(experts, -1, direction.shape[-1]).masked_fill(idle.view(-1, 1, 1), 0.0).reshape_as(direction)
+    )
 
 
 def gram(projection: torch.Tensor) -> torch.Tensor:

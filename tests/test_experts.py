@@ -342,6 +342,35 @@ def test_orthogonal_directions_orthogonalise_each_expert_on_its_own():
         assert torch.equal(blocks[-1], torch.zeros_like(blocks[-1])), update.name
 
 
+@pytest.mark.parametrize("direction", ["orthogonal", "rowadam"])
+def test_an_expert_that_stops_receiving_tokens_stops_moving(direction):
+    """With the default first moment, an expert routed no token keeps a decaying momentum. Orthogonal
+    directions would raise it back to unit singular values: full steps along a stale direction, for
+    as long as the expert stays idle, that the KL probe cannot see. So an idle expert's block is zero
+    (``updates.idle_experts_still``); RowAdam's step decays with its momentum. Every other expert keeps
+    moving at the update ratio."""
+    model = tiny_qwen3_moe()
+    optimizer = LoGRAOptimizer(patch_model(model), rank=4, kl_budget=None, update_ratio=6e-5, direction=direction)
+    target = next(t for t in optimizer.targets if t.experts > 1)
+    model.train()
+    model(**fixed_batch(batch=4, seq=12, seed=0)).loss.backward()
+    optimizer.step()
+    avoid_last_expert(model)
+    steps = []
+    for seed in range(1, 11):
+        before = target.weight.detach().clone()
+        model(**fixed_batch(batch=4, seq=12, seed=seed)).loss.backward()
+        optimizer.step()
+        change = target.weight.detach() - before
+        steps.append([float(change[e].norm() / before[e].norm()) for e in range(target.experts)])
+    assert all(min(step[:-1]) > 1e-5 for step in steps)  # the routed experts keep moving
+    idle = [step[-1] for step in steps]
+    if direction == "orthogonal":
+        assert idle == [0.0] * 10
+    else:
+        assert 0 < idle[-1] < 0.6 * idle[0]
+
+
 @pytest.mark.parametrize("build", [tiny_qwen3_moe, tiny_gpt_oss], ids=["qwen3_moe", "gpt_oss"])
 def test_kl_probe_includes_expert_updates(build):
     """The JVP probe's predicted KL of an update that moves only experts equals the exact KL of the
