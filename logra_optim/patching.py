@@ -182,9 +182,10 @@ def _matches(name: str, target_modules) -> bool:
 
 
 def find_target_modules(
-    model: nn.Module, target_modules: str | Iterable[str] | None = None
+    model: nn.Module, target_modules: str | Iterable[str] | None = None, *, required: bool = True
 ) -> list[tuple[str, nn.Linear]]:
-    """The ``(name, module)`` pairs :func:`patch_model` would patch.
+    """The ``(name, module)`` pairs :func:`patch_model` would patch (the linear ones; stacked
+    experts are found by :func:`find_experts_modules`). None found is an error if ``required``.
 
     ``target_modules``: ``None`` for the default attention/MLP projections, a list of names
     (a module matches if its name equals one or ends with ``"." + name``), a regular expression
@@ -217,7 +218,7 @@ def find_target_modules(
                 f"target module {name!r} is a GPT-2 Conv1D (weight stored in×out); LoGRA patches "
                 "torch.nn.Linear only. Convert the model to nn.Linear layers or choose other targets."
             )
-    if not found:
+    if not found and required:
         seen = ", ".join(linears[:20]) + (" …" if len(linears) > 20 else "") or "none"
         conv1d = any(_is_gpt2_conv1d(m) for m in model.modules())
         hint = " The model uses GPT-2 Conv1D layers, which are not supported." if conv1d else ""
@@ -300,8 +301,9 @@ def patch_model(
             "patch_model got a PEFT-wrapped model; LoGRA trains the base weights directly. "
             "Pass the base model (e.g. model.get_base_model() or merge_and_unload())."
         )
-    targets = find_target_modules(model, target_modules)
     expert_modules = find_experts_modules(model) if experts else []
+    # Stacked experts are targets whatever target_modules says: they may be the only ones.
+    targets = find_target_modules(model, target_modules, required=not expert_modules)
     for name, module in targets:  # validate everything before changing anything
         if hasattr(module, "_logra"):
             continue

@@ -768,3 +768,19 @@ def test_other_families_experts_are_targets_with_exact_sketches(family):
     optimizer.step()
     for target in experts:
         assert not torch.equal(target.weight, before[target.name]), target.name
+
+
+def test_experts_can_be_the_only_targets():
+    """Stacked experts are targets whatever ``target_modules`` says, so a selection that matches no
+    linear leaves them as the only targets (not an error about linears), and they train."""
+    model = patch_model(tiny_qwen3_moe(), target_modules=r"$^")
+    optimizer = LoGRAOptimizer(model, rank=4, kl_budget=None, update_ratio=6e-5)
+    assert optimizer.targets and all(t.experts > 1 for t in optimizer.targets)
+    before = [t.weight.detach().clone() for t in optimizer.targets]
+    model.train()
+    model(**fixed_batch(batch=4, seq=12)).loss.backward()
+    optimizer.step()
+    assert all(not torch.equal(t.weight, old) for t, old in zip(optimizer.targets, before))
+    with pytest.raises(ValueError, match="no LoGRA target modules found"):
+        patch_model(tiny_qwen3_moe(), target_modules=r"$^", experts=False)
+
