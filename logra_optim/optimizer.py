@@ -315,7 +315,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self._warned_eval_mode = False
         self._checked_reach = False
         self._bank = SketchBank(
-            [(t.shape[0], options.rank_for(t.experts)) for t in targets], [t.weight.device for t in targets]
+            [(t.shape[0], options.rank_for(t.stacked)) for t in targets], [t.weight.device for t in targets]
         )
         for target, sketch in zip(targets, self._bank.views):
             target.state.sketch = sketch
@@ -365,7 +365,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
 
     rank = property(lambda self: self.options.rank, doc="The sketch rank ``r``.")
     expert_rank = property(
-        lambda self: self.options.rank_for(2), doc="The sketch rank of stacked experts (``rank`` unless set)."
+        lambda self: self.options.rank_for(True), doc="The sketch rank of stacked experts (``rank`` unless set)."
     )
     seed = property(lambda self: self.options.seed, doc="The base seed of the projections.")
     projection = property(lambda self: self.options.projection, doc="The projection kind.")
@@ -389,7 +389,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         """What determines target ``index``'s current ``A`` (seed, rank, width, kind)."""
         target = self._targets[index]
         seed = self.projection_seed(index, update_index)
-        return ProjectionSpec(seed, self.options.rank_for(target.experts), target.shape[1], self.projection)
+        return ProjectionSpec(seed, self.options.rank_for(target.stacked), target.shape[1], self.projection)
 
     def projection_for(self, index: int, update_index: int | None = None) -> torch.Tensor:
         """Generate ``A`` of target ``index`` (fp32, on its weight's device); nothing keeps it."""

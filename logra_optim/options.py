@@ -119,9 +119,9 @@ class StepOptions:
                 "overflows a large factor to inf and its subnormals keep a few bits of a small one"
             )
 
-    def rank_for(self, experts: int) -> int:
-        """The sketch rank of a target stacking ``experts`` matrices (``expert_rank`` for experts)."""
-        return self.expert_rank if experts > 1 and self.expert_rank is not None else self.rank
+    def rank_for(self, stacked: bool) -> int:
+        """The sketch rank of a target: ``expert_rank`` for a ``stacked`` experts weight (if set)."""
+        return self.expert_rank if stacked and self.expert_rank is not None else self.rank
 
 
 @dataclass(frozen=True)
@@ -238,10 +238,10 @@ def check_targets(targets: Sequence[Target], step: StepOptions, kl: KLOptions) -
         )
     for target in targets:
         d, k = target.shape[0] // target.experts, target.shape[1]  # per expert for stacked experts
-        rank = step.rank_for(target.experts)
+        rank = step.rank_for(target.stacked)
         if rank > min(d, k):
-            option = "expert_rank" if target.experts > 1 and step.expert_rank is not None else "rank"
-            hint = " per expert; set expert_rank for the experts" if target.experts > 1 and option == "rank" else ""
+            option = "expert_rank" if target.stacked and step.expert_rank is not None else "rank"
+            hint = " per expert; set expert_rank for the experts" if target.stacked and option == "rank" else ""
             raise ValueError(
                 f"{option}={rank} is larger than target {target.name!r} allows ({d}×{k}{hint}: it must be "
                 f"≤ {min(d, k)})"

@@ -49,6 +49,12 @@ class Target:
         return self.layout.shape
 
     @property
+    def stacked(self) -> bool:
+        """Whether the weight is a mixture-of-experts stack (sketched at ``expert_rank``), whatever
+        its number of experts, one included."""
+        return self.attribute != "weight"
+
+    @property
     def experts(self) -> int:
         """How many matrices the weight stacks: 1 for a linear, ``E`` for experts."""
         return self.state.experts

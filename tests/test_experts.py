@@ -685,6 +685,12 @@ def test_expert_rank_is_the_experts_own_and_is_checkpointed():
         LoGRAOptimizer(patch_model(other), rank=8).load_state_dict(state)
     with pytest.raises(ValueError, match=r"expert_rank=25 is larger than target .*down_proj.*\(32×24"):
         LoGRAOptimizer(patch_model(tiny_qwen3_moe()), rank=8, expert_rank=25)
+    # A stack of one expert is still a stack: sketched at expert_rank, as the sync payload says.
+    single = LoGRAOptimizer(
+        patch_model(tiny_qwen3_moe(num_experts=1, num_experts_per_tok=1)), rank=8, expert_rank=2, kl_budget=None
+    )
+    ranks = {t.name.rsplit(".", 1)[-1]: t.state.sketch.shape[1] for t in single.targets}
+    assert ranks["gate_up_proj"] == ranks["down_proj"] == 2 and ranks["q_proj"] == 8
 
 
 def test_the_router_trains_with_a_non_target_optimizer():
@@ -783,4 +789,3 @@ def test_experts_can_be_the_only_targets():
     assert all(not torch.equal(t.weight, old) for t, old in zip(optimizer.targets, before))
     with pytest.raises(ValueError, match="no LoGRA target modules found"):
         patch_model(tiny_qwen3_moe(), target_modules=r"$^", experts=False)
-
