@@ -939,6 +939,24 @@ def test_plan_counts_the_temporary_of_the_adamw_step_it_models(adamw):
         plan_module.breakdown(shape, "adamw", plan_module.Setting(adamw="sgd"))
 
 
+def test_bench_reads_and_sets_every_kind_of_expert_count(tmp_path):
+    """DeepSeek configs count their experts as ``n_routed_experts`` (Mixtral ``num_local_experts``):
+    ``--experts`` sets that key, as plan reads it; a dense config is refused by name."""
+    from transformers import DeepseekV3Config, MixtralConfig
+
+    from logra_optim.cli.bench import model_config
+    from logra_optim.cli.shapes import expert_count
+
+    for config, key in ((DeepseekV3Config, "n_routed_experts"), (MixtralConfig, "num_local_experts")):
+        directory = tmp_path / key
+        config(**{key: 8}, num_experts_per_tok=2, hidden_size=32, num_hidden_layers=1).save_pretrained(directory)
+        assert expert_count(model_config({"config": str(directory), "seq": 16}))[1] == 8
+        assert getattr(model_config({"config": str(directory), "experts": 4, "seq": 16}), key) == 4
+    dense = write_config(tmp_path / "dense", {**bench_preset("tiny"), "model_type": "qwen2"})
+    with pytest.raises(ValueError, match="--experts 4: the model has no mixture-of-experts blocks"):
+        model_config({"config": str(dense), "experts": 4, "seq": 16})
+
+
 def test_plan_answers_the_moe_question(tmp_path):
     """Qwen3-30B-A3B on 8 sharded 80 GB GPUs: the table prints for all three methods with the
     experts' own rank, and dense AdamW fits there too (it does not at 4). MoE configs with parts the

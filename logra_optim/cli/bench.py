@@ -106,7 +106,7 @@ from .measure import (
 )
 from .peers import FIXED_RANKS, LOW_RANK_PEERS, lora_model, low_rank_optimizer, train_only_targets, trainable
 from .runner import run_fresh
-from .shapes import DEFAULT_LAYERS, PRESETS, Shape, preset_config
+from .shapes import DEFAULT_LAYERS, PRESETS, Shape, expert_count, preset_config
 
 METHODS = (
     "adamw",
@@ -235,9 +235,10 @@ def model_config(spec: dict):
     else:
         config = preset_config(spec["preset"], max_position_embeddings=max(spec["seq"], 64))
     if spec.get("experts"):
-        if not getattr(config, "num_experts", None):
+        found = expert_count(config)
+        if found is None:
             raise ValueError(f"--experts {spec['experts']}: the model has no mixture-of-experts blocks")
-        config.num_experts = spec["experts"]
+        setattr(config, found[0], spec["experts"])
         config.num_experts_per_tok = min(config.num_experts_per_tok, spec["experts"])
     if spec.get("layers"):
         config.num_hidden_layers = spec["layers"]
@@ -443,7 +444,7 @@ def run_worker(spec: dict) -> dict:
         else sum(p.numel() for group in optimizer.param_groups for p in group["params"]),
         "total_params": sum(p.numel() for p in model.parameters()),
         "layers": model.config.num_hidden_layers,
-        "experts": getattr(model.config, "num_experts", None) or 0,
+        "experts": (expert_count(model.config) or (None, 0))[1],
         "top_k": getattr(model.config, "num_experts_per_tok", None) or 0,
     }
 

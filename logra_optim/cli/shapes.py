@@ -12,6 +12,16 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+# Where mixture-of-experts configs keep their expert count (Qwen-MoE; Mixtral, GPT-OSS; DeepSeek).
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def expert_count(config) -> tuple[str, int] | None:
+    """``(key, count)`` of a config's (a dict's or a ``PretrainedConfig``'s) experts, or ``None``."""
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    return next(((key, get(key)) for key in EXPERT_COUNT_KEYS if get(key)), None)
+
+
 # Published Qwen2.5 shapes, as ``config.json`` keys; ``core`` is the memory and step-time
 # benchmark's model (Qwen2.5-1.5B's width and head_dim, 4 layers, a 32k vocabulary: 201 M parameters, and
 # 4 KV heads so that k/v allow ranks up to 512). Embeddings keep their real vocabulary: their
@@ -149,7 +159,7 @@ class Shape:
         try:
             hidden = config["hidden_size"]
             heads = config["num_attention_heads"]
-            experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
+            experts = (expert_count(config) or (None, None))[1]
             unmodelled = [
                 key
                 for key in ("shared_expert_intermediate_size", "n_shared_experts", "first_k_dense_replace")
