@@ -106,8 +106,9 @@ class StepOptions:
         if self.expert_rank is not None:
             _non_negative_int("expert_rank", self.expert_rank, minimum=1)
         _non_negative_int("refresh_every", self.refresh_every, minimum=1)
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+        if not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        object.__setattr__(self, "seed", int(self.seed))  # a NumPy integer too
         for name in ("refresh", "share_projections", "stochastic_rounding"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -403,6 +403,21 @@ def test_bad_arguments_are_rejected_with_their_name(tiny, kwargs, error, match):
     LoGRAOptimizer(tiny, rank=4)
 
 
+def test_a_numpy_or_negative_integer_seed_is_an_integer_seed(tiny):
+    import numpy as np
+
+    patch_model(tiny)
+    for seed in (np.int64(7), -3):
+        optimizer = LoGRAOptimizer(tiny, rank=4, seed=seed)
+        assert optimizer.seed == int(seed) and type(optimizer.seed) is int
+        tiny.train()
+        tiny(**fixed_batch()).loss.backward()
+        optimizer.step()
+        assert optimizer.update_index == 1
+        del optimizer
+        gc.collect()
+
+
 def test_rank_larger_than_a_target_names_the_module(tiny):
     patch_model(tiny)
     # q_proj is 64×64 but k_proj is 32×64 (one KV head of 32): the first target too small is named.
