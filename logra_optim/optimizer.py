@@ -47,6 +47,7 @@ from .updates import (
     all_finite,
     basis_change,
     carry_first_moment,
+    idle_experts_still,
     low_rank_sq_norm,
     next_directions,
     step_sizes,
@@ -73,6 +74,7 @@ class StepPlan:
     """An update before it is applied: every target's direction and step size."""
 
     steps: list[TargetStep]
+    polar_floor: float  # the orthogonal directions' floor, kept once the update is committed
 
     def factors(self) -> list[torch.Tensor]:
         """``F = η U`` per target: the unit step (α = 1) the KL probe measures."""
@@ -493,8 +495,6 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         # merge writes into the shards, which the next forward must gather again.
         dp.reshard(self._fsdp2)
         finite, sharded_sq, sixteen_bit = self._synchronise()
-        if finite and sixteen_bit:  # a skipped update leaves every piece of state as it was
-            self.polar_floor = POLAR_FLOOR_16BIT
         if not finite:
             self.nonfinite_skips += 1
             self._skip(
@@ -503,7 +503,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             return
         self._warn_if_eval_mode()
         self._warn_about_unreached_targets()
-        plan = self._plan(sharded_sq)
+        # Raised for good once 16-bit products reach the first moment: by a committed update only.
+        plan = self._plan(sharded_sq, POLAR_FLOOR_16BIT if sixteen_bit else self.polar_floor)
         if not plan.finite():
             self.nonfinite_skips += 1
             self._skip(
@@ -529,6 +530,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         group = self.param_groups[0]
         for step in plan.steps:
             self.state[group["params"][step.index]].update(step.state)
+        self.polar_floor = plan.polar_floor
         update = self._merged_update() if self._merge_hooks else None
         for weight in self._weights:
             weight.forget_merge()
@@ -619,7 +621,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             "with bf16 autocast (Trainer bf16=True) and fp32 master weights, which need no loss scaling"
         )
 
-    def _plan(self, sharded_sq: list[float] | None) -> StepPlan:
+    def _plan(self, sharded_sq: list[float] | None, polar_floor: float) -> StepPlan:
         """Directions and step sizes; mutates nothing. ``sharded_sq``: ``‖W_i‖²`` of each sharded
         weight in target order, summed over the ranks (distributed runs only)."""
         group = self.param_groups[0]
@@ -631,7 +633,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             group["eps"],
             group["beta1"],
             [target.state.experts for target in self._targets],
-            self.polar_floor,
+            polar_floor,
         )
         steps = [TargetStep(index, u, state, eta=group["lr"]) for index, (u, state) in enumerate(directions)]
         if group["lr_mode"] == "update_ratio":
@@ -640,7 +642,10 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             etas = step_sizes(group["lr"], self._weight_sq_norms(sharded_sq), update_sq, group["ratio_scope"])
             for step, eta in zip(steps, etas):
                 step.eta = eta
-        return StepPlan(steps)
+        if group["direction"] == "orthogonal":  # after η: an idle expert does not enlarge the others' steps
+            for step, target in zip(steps, self._targets):
+                step.direction = idle_experts_still(step.direction, target.state.sketch, target.state.experts)
+        return StepPlan(steps, polar_floor)
 
     def _weight_sq_norms(self, sharded_sq: list[float] | None) -> list[float]:
         """``‖W_i‖²`` of every whole target: computed here where this rank stores all of it, taken

@@ -302,8 +302,14 @@ def patch_model(
             "Pass the base model (e.g. model.get_base_model() or merge_and_unload())."
         )
     expert_modules = find_experts_modules(model) if experts else []
-    # Stacked experts are targets whatever target_modules says: they may be the only ones.
-    targets = find_target_modules(model, target_modules, required=not expert_modules)
+    # Stacked experts are targets whatever target_modules says. They may be the only ones: with the
+    # default selection where no linear matches it, or with target_modules=[]; a selection that
+    # names linears and matches none is an error either way (a misspelled name).
+    experts_only = isinstance(target_modules, list | tuple) and not target_modules
+    if experts_only and not expert_modules:
+        raise ValueError("target_modules=[] selects no linear layer, and the model has no stacked experts to train")
+    required = not expert_modules or target_modules is not None
+    targets = [] if experts_only else find_target_modules(model, target_modules, required=required)
     for name, module in targets:  # validate everything before changing anything
         if hasattr(module, "_logra"):
             continue

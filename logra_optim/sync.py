@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from .projection import PROJECTIONS, make_projection
-from .updates import all_finite, merge_low_rank_, merge_low_rank_block_, merge_low_rank_compensated_
+from .updates import all_finite, merge_low_rank_, merge_low_rank_blocks_, merge_low_rank_compensated_
 
 PAYLOAD_FORMAT = "logra-sync"
 PAYLOAD_VERSION = 4
@@ -290,7 +290,7 @@ def merge_like_trainer_(
     that no update is rounded away. Against a bf16 trainer, any copy repeats the trainer's rounding
     to bf16 (stochastic with the same seed, or to nearest), so that it holds the trainer's values:
     bit-identical on the same kind of device, a tensor-parallel block too (it takes its part of the
-    noise the whole matrix draws: :func:`~logra_optim.updates.merge_low_rank_block_`).
+    noise the whole matrix draws: :func:`merge_blocks_like_trainer_`).
     """
     whole = target.factor.to(weight.device)
     factor, block = whole[factor_rows], projection[:, projection_cols]
@@ -302,18 +302,45 @@ def merge_like_trainer_(
         else:
             merge_low_rank_compensated_(weight, compensation, factor, block)
         return
-    generator = None
-    if target.rounding == "stochastic":
-        generator = torch.Generator(device=weight.device)
-        generator.manual_seed(rounding_seed(target.seed, update_index))
-    copy = weight if weight.dtype == torch.bfloat16 else weight.to(torch.bfloat16)
     if target.rounding == "stochastic" and (factor_rows, projection_cols) != (slice(None), slice(None)):
-        merge_low_rank_block_(copy, whole, projection, factor_rows, projection_cols, generator=generator)
-    else:
-        stochastic = target.rounding == "stochastic"
-        merge_low_rank_(copy, factor, block, stochastic_rounding=stochastic, generator=generator)
+        merge_blocks_like_trainer_([(weight, factor_rows, projection_cols)], target, projection, update_index)
+        return
+    generator = _rounding_generator(target, update_index, weight.device)
+    copy = weight if weight.dtype == torch.bfloat16 else weight.to(torch.bfloat16)
+    merge_low_rank_(copy, factor, block, stochastic_rounding=generator is not None, generator=generator)
     if copy is not weight:
         weight.copy_(copy)
+
+
+def merge_blocks_like_trainer_(
+    blocks: list[tuple[torch.Tensor, slice, slice]], target: TargetUpdate, projection: torch.Tensor, update_index: int
+) -> None:
+    """Several blocks ``(copy, factor_rows, projection_cols)`` of one target's matrix, against a bf16
+    trainer that rounds stochastically (``target.rounding == "stochastic"``): each takes its part of
+    the noise the trainer's merge of the whole matrix drew, in one pass over it
+    (:func:`~logra_optim.updates.merge_low_rank_blocks_`), so that the copies hold the trainer's
+    values. ``projection``: the whole ``A``."""
+    if not blocks:
+        return
+    device = blocks[0][0].device
+    copies = [
+        (weight if weight.dtype == torch.bfloat16 else weight.to(torch.bfloat16), rows, cols)
+        for weight, rows, cols in blocks
+    ]
+    generator = _rounding_generator(target, update_index, device)
+    merge_low_rank_blocks_(copies, target.factor.to(device), projection.to(device), generator=generator)
+    for (weight, _, _), (copy, _, _) in zip(blocks, copies):
+        if copy is not weight:
+            weight.copy_(copy)
+
+
+def _rounding_generator(target: TargetUpdate, update_index: int, device: torch.device) -> torch.Generator | None:
+    """The generator of the trainer's stochastic rounding of this update (``None`` for another rounding)."""
+    if target.rounding != "stochastic":
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(rounding_seed(target.seed, update_index))
+    return generator
 
 
 def full_sync_bytes(shapes: list[tuple[int, int]], dtype: torch.dtype = torch.bfloat16) -> int:

@@ -180,8 +180,6 @@ def next_directions(
         results.append((numerator, new_state))
     if kind == "orthogonal":
         directions = orthogonal_directions([u for u, _ in results], experts, floor)
-        if experts is not None:
-            directions = [idle_experts_still(u, s, e) for u, s, e in zip(directions, sketches, experts, strict=True)]
         results = [(u, state) for u, (_, state) in zip(directions, results)]
     return results
 
@@ -194,7 +192,8 @@ def idle_experts_still(direction: torch.Tensor, sketch: torch.Tensor, experts: i
     expert that stops receiving tokens would keep taking full steps along its decaying momentum for
     as long as it stays idle (with RowAdam or SGD that step decays with the momentum). The KL probe
     cannot see those steps either (no probed token reaches the expert). So an expert moves only in
-    the updates that routed it tokens; its first moment still decays meanwhile."""
+    the updates that routed it tokens; its first moment still decays meanwhile. The optimizer applies
+    this after the step size, so that the other experts' steps stay what they would be."""
     if experts == 1:
         return direction
     idle = ~sketch.reshape(experts, -1).any(dim=1)
@@ -342,44 +341,45 @@ def merge_low_rank_(
     return weight
 
 
-def merge_low_rank_block_(
-    block: torch.Tensor,
+def merge_low_rank_blocks_(
+    blocks: Sequence[tuple[torch.Tensor, slice, slice]],
     factor: torch.Tensor,
     projection: torch.Tensor,
-    rows: slice,
-    cols: slice,
     *,
     generator: torch.Generator | None = None,
     chunk_bytes: int = MERGE_CHUNK_BYTES,
-) -> torch.Tensor:
-    """``W[rows, cols] ← W[rows, cols] − (F A)[rows, cols]`` on ``block``, a bf16 tensor holding that
-    block of a ``d×k`` matrix (``factor``: the whole ``F``, ``d×r``; ``projection``: the whole ``A``,
-    ``r×k``), rounded stochastically with the noise a merge of the whole matrix
-    (:func:`merge_low_rank_` with the same ``generator`` and ``chunk_bytes``) draws for those entries.
+) -> None:
+    """``W[rows, cols] ← W[rows, cols] − (F A)[rows, cols]`` on each ``(block, rows, cols)``, a bf16
+    tensor holding that block of one ``d×k`` matrix (``factor``: the whole ``F``, ``d×r``;
+    ``projection``: the whole ``A``, ``r×k``), rounded stochastically with the noise a merge of the
+    whole matrix (:func:`merge_low_rank_` with the same ``generator`` and ``chunk_bytes``) draws for
+    those entries.
 
-    Why: a tensor-parallel engine holds blocks of a bf16 trainer's matrix. Drawing each block's noise
-    as if it were a matrix of its own gives every rank but the first other uniforms than the
-    trainer's, and its copy then drifts from the trainer's like a random walk. Here each row chunk of
-    the whole matrix draws its noise in order and the block takes its part, so that every block holds
-    the trainer's values. Chunks after the block's last row are not drawn."""
+    Why: a tensor-parallel engine holds blocks of a bf16 trainer's matrix (a rank's experts, several
+    blocks of one stack). Drawing each block's noise as if it were a matrix of its own gives every
+    rank but the first other uniforms than the trainer's, and its copy then drifts from the trainer's
+    like a random walk. Here the whole matrix's row chunks draw their noise once, in order, up to the
+    last row any block holds, and every block takes its part."""
     d, k = factor.shape[0], projection.shape[1]
-    first, end, step = rows.indices(d)
-    if step != 1 or cols.indices(k)[2] != 1 or block.dtype != torch.bfloat16:
-        raise ValueError(f"merge_low_rank_block_: a bf16 block of contiguous rows and columns, got {block.dtype}")
-    projection32 = projection[:, cols].float()
+    spans = []
+    for block, rows, cols in blocks:
+        first, end, step = rows.indices(d)
+        if step != 1 or cols.indices(k)[2] != 1 or block.dtype != torch.bfloat16:
+            raise ValueError(f"merge_low_rank_blocks_: bf16 blocks of contiguous rows and columns, got {block.dtype}")
+        spans.append((block, first, end, cols, projection[:, cols].float()))
     rows_per_chunk = max(1, chunk_bytes // (4 * k))
-    for start in range(0, end, rows_per_chunk):
+    for start in range(0, max((end for _, _, end, _, _ in spans), default=0), rows_per_chunk):
         stop = min(start + rows_per_chunk, d)
         noise = torch.randint(
-            0, 1 << 16, (stop - start, k), dtype=torch.int32, device=block.device, generator=generator
+            0, 1 << 16, (stop - start, k), dtype=torch.int32, device=factor.device, generator=generator
         )
-        low, high = max(start, first), min(stop, end)
-        if low >= high:
-            continue
-        local = slice(low - first, high - first)
-        updated = torch.addmm(block[local].float(), factor[low:high].float(), projection32, alpha=-1.0)
-        block[local] = _round_with_noise_to_bf16(updated, noise[low - start : high - start, cols])
-    return block
+        for block, first, end, cols, projection32 in spans:
+            low, high = max(start, first), min(stop, end)
+            if low >= high:
+                continue
+            local = slice(low - first, high - first)
+            updated = torch.addmm(block[local].float(), factor[low:high].float(), projection32, alpha=-1.0)
+            block[local] = _round_with_noise_to_bf16(updated, noise[low - start : high - start, cols].to(block.device))
 
 
 def merge_transposed_experts_(

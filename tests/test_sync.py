@@ -30,7 +30,7 @@ from logra_optim.sync import (
     sparse_delta,
     weight_checksum,
 )
-from logra_optim.updates import merge_low_rank_, merge_low_rank_block_
+from logra_optim.updates import merge_low_rank_, merge_low_rank_blocks_
 from tests.helpers.reference import merged
 from tests.helpers.tiny import TwoLinear, tiny_qwen2
 from logra_optim.patching import target_state
@@ -381,7 +381,7 @@ def test_tensor_parallel_blocks_follow_a_bf16_trainers_stochastic_rounding(tp_si
     row-parallel layer, merged with ``merge_like_trainer_``, equals the trainer's merged matrix bit for
     bit over several updates: each block takes its part of the noise the whole matrix draws, chunk by
     chunk. (Drawn as a matrix of its own, every rank but the first would drift from the trainer.)
-    ``merge_low_rank_block_`` is checked directly at chunk sizes of a few rows too."""
+    ``merge_low_rank_blocks_`` is checked directly, three blocks at once, at chunk sizes of a few rows too."""
     generator = torch.Generator().manual_seed(seed)
     d, k, rank = rows * tp_size, cols * tp_size, 3
     trainer = torch.randn(d, k, generator=generator).to(torch.bfloat16)
@@ -405,19 +405,16 @@ def test_tensor_parallel_blocks_follow_a_bf16_trainers_stochastic_rounding(tp_si
     merge_low_rank_(
         whole, factor, projection, generator=torch.Generator().manual_seed(seed), chunk_bytes=4 * k * chunk_rows
     )
-    first, last = sorted(torch.randint(0, d + 1, (2,), generator=generator).tolist())
-    block_rows, block_cols = slice(first, max(last, first + 1)), slice(cols, 2 * cols)
-    block = trainer[block_rows, block_cols].clone()
-    merge_low_rank_block_(
-        block,
-        factor,
-        projection,
-        block_rows,
-        block_cols,
-        generator=torch.Generator().manual_seed(seed),
-        chunk_bytes=4 * k * chunk_rows,
-    )
-    assert torch.equal(block, whole[block_rows, block_cols])
+    # Several blocks of one matrix in one pass (a rank's experts): each takes its part of the noise.
+    bounds = [sorted(torch.randint(0, d + 1, (2,), generator=generator).tolist()) for _ in range(3)]
+    spans = [
+        (slice(first, max(last, first + 1)), slice(cols * i, cols * (i + 1))) for i, (first, last) in enumerate(bounds)
+    ]
+    blocks = [(trainer[rows_of, cols_of].clone(), rows_of, cols_of) for rows_of, cols_of in spans]
+    noise = torch.Generator().manual_seed(seed)
+    merge_low_rank_blocks_(blocks, factor, projection, generator=noise, chunk_bytes=4 * k * chunk_rows)
+    for block, rows_of, cols_of in blocks:
+        assert torch.equal(block, whole[rows_of, cols_of])
 
 
 @given(tp_size=st.sampled_from([1, 2, 4]), rows=st.integers(1, 4), cols=st.integers(1, 4), seed=st.integers(0, 999))

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
-from logra_optim.sync import TargetUpdate, merge_like_trainer_
+from logra_optim.sync import TargetUpdate, merge_blocks_like_trainer_, merge_like_trainer_
 from logra_optim.updates import rounding_remainder
 
 from .placement import ExpertsPlacement, down_placement, gate_up_placement
@@ -153,15 +153,21 @@ def merge_into_experts_(
     Where the rank holds the whole matrix unpadded (no tensor or expert parallelism), it is merged
     as one matrix, as the trainer merged it, so that a bf16 trainer's stochastic rounding draws the
     same noise and the copy stays bit-identical; block by block, each block takes its part of the
-    noise the whole matrix draws (:func:`~logra_optim.updates.merge_low_rank_block_`)."""
+    noise the whole matrix draws, in one pass for all of them (:func:`~logra_optim.sync.merge_blocks_like_trainer_`)."""
     target = dataclasses.replace(target, factor=target.factor.to(param.device))  # once, not per block
     rows = _as_whole_matrix(param, placement)
     if rows is not None:
         whole_compensation = None if compensation is None else compensation.view_as(rows)
         merge_like_trainer_(rows, target, projection, update_index, whole_compensation)
         return
-    for block in placement.blocks:
-        where = (block.expert, block.param_rows, block.param_cols)
+    wheres = [(block.expert, block.param_rows, block.param_cols) for block in placement.blocks]
+    if target.rounding == "stochastic":  # one pass over the trainer's noise for every block
+        parts = [
+            (param[where], block.factor_rows, block.projection_cols) for where, block in zip(wheres, placement.blocks)
+        ]
+        merge_blocks_like_trainer_(parts, target, projection, update_index)
+        return
+    for where, block in zip(wheres, placement.blocks):
         merge_like_trainer_(
             param[where],
             target,
