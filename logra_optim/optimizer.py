@@ -578,6 +578,18 @@ class LoGRAOptimizer(torch.optim.Optimizer):
                         f"other settings drops it); build the optimizer with {setting} before loading this checkpoint"
                     )
 
+    def _refuse_other_shapes(self, state_dict: dict[str, Any]) -> None:
+        """A first moment of another shape than the target's sketch (a checkpoint of a stack of one
+        expert sketched at ``rank`` before stacks took ``expert_rank`` whatever their count) would
+        fail at the next step; refuse it here, naming the target."""
+        for index, entry in state_dict["state"].items():
+            moment, target = entry.get("first_moment"), self._targets[int(index)]
+            if moment is not None and tuple(moment.shape) != tuple(target.state.sketch.shape):
+                raise ValueError(
+                    f"state_dict: target {target.name!r} has a first moment of shape {tuple(moment.shape)}, this "
+                    f"optimizer sketches it as {tuple(target.state.sketch.shape)} (another rank or expert_rank)"
+                )
+
     def _refuse_other_targets(self, saved: list[str] | None) -> None:
         """Per-target state is loaded by position, so a checkpoint of other targets (``k_proj``
         where this optimizer has ``v_proj``: in grouped-query attention their shapes agree) would
@@ -897,6 +909,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self._refuse_other_targets(logra.get("targets"))
         state_dict["param_groups"] = [upgrade_param_group(g) for g in state_dict["param_groups"]]
         self._refuse_missing_moments(state_dict)
+        self._refuse_other_shapes(state_dict)
         super().load_state_dict(state_dict)
         # torch casts floating state to the parameter's dtype; the moments stay fp32, like the sketches.
         for index, target in enumerate(self._targets):

@@ -335,7 +335,8 @@ def patch_model(
         raise RuntimeError(
             f"patch_model: this model's targets are driven by a LoGRAOptimizer, which would never train the new "
             f"targets {new[:3]}{' …' if len(new) > 3 else ''} (they would only be frozen); patch every target "
-            "before building the optimizer, or build a new optimizer after patching"
+            "before building the optimizer, or drop it (del, then gc.collect() if it is in a reference cycle) and "
+            "build a new one after patching"
         )
     record: PatchRecord | None = getattr(model, "_logra_patch", None)
     first_patch = record is None

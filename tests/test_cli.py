@@ -949,9 +949,18 @@ def test_bench_reads_and_sets_every_kind_of_expert_count(tmp_path):
 
     for config, key in ((DeepseekV3Config, "n_routed_experts"), (MixtralConfig, "num_local_experts")):
         directory = tmp_path / key
-        config(**{key: 8}, num_experts_per_tok=2, hidden_size=32, num_hidden_layers=1).save_pretrained(directory)
+        groups = {"n_group": 1, "topk_group": 1} if key == "n_routed_experts" else {}
+        config(**{key: 8}, **groups, num_experts_per_tok=2, hidden_size=32, num_hidden_layers=1).save_pretrained(
+            directory
+        )
         assert expert_count(model_config({"config": str(directory), "seq": 16}))[1] == 8
         assert getattr(model_config({"config": str(directory), "experts": 4, "seq": 16}), key) == 4
+    grouped = tmp_path / "grouped"  # DeepSeek routes within n_group groups of experts
+    DeepseekV3Config(n_routed_experts=16, n_group=4, topk_group=2, hidden_size=32, num_hidden_layers=1).save_pretrained(
+        grouped
+    )
+    with pytest.raises(ValueError, match=r"--experts 6: must be a multiple of the config's n_group \(4\)"):
+        model_config({"config": str(grouped), "experts": 6, "seq": 16})
     dense = write_config(tmp_path / "dense", {**bench_preset("tiny"), "model_type": "qwen2"})
     with pytest.raises(ValueError, match="--experts 4: the model has no mixture-of-experts blocks"):
         model_config({"config": str(dense), "experts": 4, "seq": 16})

@@ -172,8 +172,8 @@ def test_peer_scope_targets_trains_only_logra_targets(method, rank):
 @pytest.mark.parametrize("method", ["galore", "apollo-mini"])
 def test_the_peers_refresh_their_projection_at_the_gap_asked_for(method):
     """``proj_gap`` (``--peer-proj-gap``) reaches the package's projector, which then refreshes on
-    that schedule: with a gap of 2 the projection of step 2 differs from that of step 1; with the
-    READMEs' 200 it stays. Bad gaps are refused by name, in the settings and on the command line."""
+    that schedule: with a gap of 2 the first two steps share a projection and the third draws
+    another; with the READMEs' 200 it stays. Bad gaps are refused by name, in the settings and on the command line."""
     from logra_optim.cli.peers import low_rank_optimizer
     from tests.helpers.tiny import tiny_qwen2
 

@@ -694,6 +694,13 @@ def test_expert_rank_is_the_experts_own_and_is_checkpointed():
     )
     ranks = {t.name.rsplit(".", 1)[-1]: t.state.sketch.shape[1] for t in single.targets}
     assert ranks["gate_up_proj"] == ranks["down_proj"] == 2 and ranks["q_proj"] == 8
+    # A checkpoint whose moments have another shape (such a stack saved before, at rank 8) is refused.
+    state = single.state_dict()
+    index = next(i for i, t in enumerate(single.targets) if t.stacked)
+    rows = single.targets[index].state.sketch.shape[0]
+    state["state"][index] = {"step": torch.tensor(1.0), "first_moment": torch.zeros(rows, 8)}
+    with pytest.raises(ValueError, match=rf"has a first moment of shape \({rows}, 8\), this optimizer sketches it"):
+        single.load_state_dict(state)
 
 
 def test_the_router_trains_with_a_non_target_optimizer():

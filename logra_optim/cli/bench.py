@@ -238,6 +238,9 @@ def model_config(spec: dict):
         found = expert_count(config)
         if found is None:
             raise ValueError(f"--experts {spec['experts']}: the model has no mixture-of-experts blocks")
+        groups = getattr(config, "n_group", None) or 1  # DeepSeek routes within groups of experts
+        if spec["experts"] % groups:
+            raise ValueError(f"--experts {spec['experts']}: must be a multiple of the config's n_group ({groups})")
         setattr(config, found[0], spec["experts"])
         config.num_experts_per_tok = min(config.num_experts_per_tok, spec["experts"])
     if spec.get("layers"):
