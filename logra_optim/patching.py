@@ -307,7 +307,10 @@ def patch_model(
     # names linears and matches none is an error either way (a misspelled name).
     experts_only = isinstance(target_modules, list | tuple) and not target_modules
     if experts_only and not expert_modules:
-        raise ValueError("target_modules=[] selects no linear layer, and the model has no stacked experts to train")
+        raise ValueError(
+            "target_modules=[] selects no linear layer, and no stacked experts are targets (experts=False, or the "
+            "model has none)"
+        )
     required = not expert_modules or target_modules is not None
     targets = [] if experts_only else find_target_modules(model, target_modules, required=required)
     for name, module in targets:  # validate everything before changing anything

@@ -289,8 +289,9 @@ def merge_like_trainer_(
     keeps ``compensation`` (same shape and dtype as ``weight``; required then): Kahan summation, so
     that no update is rounded away. Against a bf16 trainer, any copy repeats the trainer's rounding
     to bf16 (stochastic with the same seed, or to nearest), so that it holds the trainer's values:
-    bit-identical on the same kind of device, a tensor-parallel block too (it takes its part of the
-    noise the whole matrix draws: :func:`merge_blocks_like_trainer_`).
+    bit-identical on the same kind of device for the whole matrix; a tensor-parallel block takes its
+    part of the noise the whole matrix draws (:func:`merge_blocks_like_trainer_`), and differs only
+    where its fp32 product rounded a last bit differently, rarely by one bf16 ulp.
     """
     whole = target.factor.to(weight.device)
     factor, block = whole[factor_rows], projection[:, projection_cols]
@@ -315,23 +316,16 @@ def merge_like_trainer_(
 def merge_blocks_like_trainer_(
     blocks: list[tuple[torch.Tensor, slice, slice]], target: TargetUpdate, projection: torch.Tensor, update_index: int
 ) -> None:
-    """Several blocks ``(copy, factor_rows, projection_cols)`` of one target's matrix, against a bf16
-    trainer that rounds stochastically (``target.rounding == "stochastic"``): each takes its part of
-    the noise the trainer's merge of the whole matrix drew, in one pass over it
-    (:func:`~logra_optim.updates.merge_low_rank_blocks_`), so that the copies hold the trainer's
-    values. ``projection``: the whole ``A``."""
+    """Several disjoint blocks ``(copy, factor_rows, projection_cols)`` of one target's matrix, on one
+    device, against a bf16 trainer that rounds stochastically (``target.rounding == "stochastic"``):
+    each takes its part of the noise the trainer's merge of the whole matrix drew, in one pass over
+    it (:func:`~logra_optim.updates.merge_low_rank_blocks_`), so that the copies hold the trainer's
+    values (a 16- or 32-bit copy holds bf16 values). ``projection``: the whole ``A``."""
     if not blocks:
         return
     device = blocks[0][0].device
-    copies = [
-        (weight if weight.dtype == torch.bfloat16 else weight.to(torch.bfloat16), rows, cols)
-        for weight, rows, cols in blocks
-    ]
     generator = _rounding_generator(target, update_index, device)
-    merge_low_rank_blocks_(copies, target.factor.to(device), projection.to(device), generator=generator)
-    for (weight, _, _), (copy, _, _) in zip(blocks, copies):
-        if copy is not weight:
-            weight.copy_(copy)
+    merge_low_rank_blocks_(blocks, target.factor.to(device), projection.to(device), generator=generator)
 
 
 def _rounding_generator(target: TargetUpdate, update_index: int, device: torch.device) -> torch.Generator | None:

@@ -193,7 +193,8 @@ def idle_experts_still(direction: torch.Tensor, sketch: torch.Tensor, experts: i
     as long as it stays idle (with RowAdam or SGD that step decays with the momentum). The KL probe
     cannot see those steps either (no probed token reaches the expert). So an expert moves only in
     the updates that routed it tokens; its first moment still decays meanwhile. The optimizer applies
-    this after the step size, so that the other experts' steps stay what they would be."""
+    this after the step size, so that the other experts' steps stay what they would be had the idle
+    ones moved (an idle block without momentum is zero before either way)."""
     if experts == 1:
         return direction
     idle = ~sketch.reshape(experts, -1).any(dim=1)
@@ -349,37 +350,42 @@ def merge_low_rank_blocks_(
     generator: torch.Generator | None = None,
     chunk_bytes: int = MERGE_CHUNK_BYTES,
 ) -> None:
-    """``W[rows, cols] ← W[rows, cols] − (F A)[rows, cols]`` on each ``(block, rows, cols)``, a bf16
-    tensor holding that block of one ``d×k`` matrix (``factor``: the whole ``F``, ``d×r``;
-    ``projection``: the whole ``A``, ``r×k``), rounded stochastically with the noise a merge of the
-    whole matrix (:func:`merge_low_rank_` with the same ``generator`` and ``chunk_bytes``) draws for
-    those entries.
+    """``W[rows, cols] ← W[rows, cols] − (F A)[rows, cols]`` on each ``(block, rows, cols)``, a tensor
+    holding that block of one ``d×k`` matrix (``factor``: the whole ``F``, ``d×r``; ``projection``: the
+    whole ``A``, ``r×k``), rounded to bf16 stochastically with the noise a merge of the whole matrix
+    (:func:`merge_low_rank_` with the same ``generator`` and ``chunk_bytes``) draws for those entries,
+    and stored in the block's dtype (exactly in fp32; fp16 rounds values below its normal range).
 
     Why: a tensor-parallel engine holds blocks of a bf16 trainer's matrix (a rank's experts, several
     blocks of one stack). Drawing each block's noise as if it were a matrix of its own gives every
     rank but the first other uniforms than the trainer's, and its copy then drifts from the trainer's
     like a random walk. Here the whole matrix's row chunks draw their noise once, in order, up to the
-    last row any block holds, and every block takes its part."""
+    last row any block holds, and every block takes its part, one chunk at a time (no copy of a block
+    is made). A block's product over its own rows and columns can round an entry's last fp32 bit
+    otherwise than the whole matrix's, which with the same noise rarely gives the neighbouring bf16
+    value. The blocks must be disjoint and, with the generator, on ``factor``'s device."""
     d, k = factor.shape[0], projection.shape[1]
-    spans = []
+    rows_per_chunk = max(1, chunk_bytes // (4 * k))
+    by_chunk: dict[int, list] = {}  # chunk index → the blocks that hold rows of it
     for block, rows, cols in blocks:
         first, end, step = rows.indices(d)
-        if step != 1 or cols.indices(k)[2] != 1 or block.dtype != torch.bfloat16:
-            raise ValueError(f"merge_low_rank_blocks_: bf16 blocks of contiguous rows and columns, got {block.dtype}")
-        spans.append((block, first, end, cols, projection[:, cols].float()))
-    rows_per_chunk = max(1, chunk_bytes // (4 * k))
-    for start in range(0, max((end for _, _, end, _, _ in spans), default=0), rows_per_chunk):
-        stop = min(start + rows_per_chunk, d)
+        if step != 1 or cols.indices(k)[2] != 1 or not block.is_floating_point():
+            raise ValueError(
+                f"merge_low_rank_blocks_: floating blocks of contiguous rows and columns, got {block.dtype}"
+            )
+        span = (block, first, end, cols, projection[:, cols].float())
+        for chunk in range(first // rows_per_chunk, (end - 1) // rows_per_chunk + 1 if end > first else 0):
+            by_chunk.setdefault(chunk, []).append(span)
+    for chunk in range(max(by_chunk, default=-1) + 1):
+        start, stop = chunk * rows_per_chunk, min((chunk + 1) * rows_per_chunk, d)
         noise = torch.randint(
             0, 1 << 16, (stop - start, k), dtype=torch.int32, device=factor.device, generator=generator
         )
-        for block, first, end, cols, projection32 in spans:
+        for block, first, end, cols, projection32 in by_chunk.get(chunk, ()):
             low, high = max(start, first), min(stop, end)
-            if low >= high:
-                continue
             local = slice(low - first, high - first)
             updated = torch.addmm(block[local].float(), factor[low:high].float(), projection32, alpha=-1.0)
-            block[local] = _round_with_noise_to_bf16(updated, noise[low - start : high - start, cols].to(block.device))
+            block[local] = _round_with_noise_to_bf16(updated, noise[low - start : high - start, cols]).to(block.dtype)
 
 
 def merge_transposed_experts_(

@@ -959,8 +959,14 @@ def test_bench_reads_and_sets_every_kind_of_expert_count(tmp_path):
     DeepseekV3Config(n_routed_experts=16, n_group=4, topk_group=2, hidden_size=32, num_hidden_layers=1).save_pretrained(
         grouped
     )
-    with pytest.raises(ValueError, match=r"--experts 6: must be a multiple of the config's n_group \(4\)"):
-        model_config({"config": str(grouped), "experts": 6, "seq": 16})
+    for experts in (6, 4):  # not a multiple; one expert per group
+        with pytest.raises(ValueError, match=rf"--experts {experts}: must be a multiple of the config's n_group \(4\)"):
+            model_config({"config": str(grouped), "experts": experts, "seq": 16})
+    from transformers import AutoModelForCausalLM
+
+    config = model_config({"config": str(grouped), "experts": 8, "seq": 16})
+    model = AutoModelForCausalLM.from_config(config)
+    model(input_ids=torch.randint(0, config.vocab_size, (1, 6)))  # the router of 4 groups of 2 runs
     dense = write_config(tmp_path / "dense", {**bench_preset("tiny"), "model_type": "qwen2"})
     with pytest.raises(ValueError, match="--experts 4: the model has no mixture-of-experts blocks"):
         model_config({"config": str(dense), "experts": 4, "seq": 16})

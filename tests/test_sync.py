@@ -369,6 +369,16 @@ def test_merged_and_row_parallel_placements_match_dense_reference(tp_size, rows,
         torch.testing.assert_close(local_down, new_down[:, rows_of], rtol=1e-12, atol=1e-12)
 
 
+def _assert_the_trainers_values(copy: torch.Tensor, trainer: torch.Tensor) -> None:
+    """``copy`` holds ``trainer``'s bf16 values, but for an element whose fp32 product rounded
+    differently in a block's matrix product than in the whole matrix's (a last bit, in about a third
+    of the elements here): the same noise then gives another bf16 value for about one in 65,536 of
+    those, by one ulp. Drawn as a matrix of its own, a block differs in about half its elements."""
+    differ = copy != trainer
+    assert differ.sum() <= 0.05 * differ.numel(), f"{int(differ.sum())} of {differ.numel()} elements differ"
+    torch.testing.assert_close(copy.float(), trainer.float(), rtol=2**-6, atol=0)
+
+
 @given(
     tp_size=st.sampled_from([2, 4]),
     rows=st.integers(1, 6),
@@ -378,9 +388,10 @@ def test_merged_and_row_parallel_placements_match_dense_reference(tp_size, rows,
 )
 def test_tensor_parallel_blocks_follow_a_bf16_trainers_stochastic_rounding(tp_size, rows, cols, chunk_rows, seed):
     """Against a bf16 trainer (stochastic rounding), every tensor-parallel block of a column- or
-    row-parallel layer, merged with ``merge_like_trainer_``, equals the trainer's merged matrix bit for
-    bit over several updates: each block takes its part of the noise the whole matrix draws, chunk by
-    chunk. (Drawn as a matrix of its own, every rank but the first would drift from the trainer.)
+    row-parallel layer, merged with ``merge_like_trainer_``, holds the trainer's merged values over
+    several updates (see ``_assert_the_trainers_values``): each block takes its part of the noise the
+    whole matrix draws, chunk by chunk. (Drawn as a matrix of its own, every rank but the first would
+    drift from the trainer.)
     ``merge_low_rank_blocks_`` is checked directly, three blocks at once, at chunk sizes of a few rows too."""
     generator = torch.Generator().manual_seed(seed)
     d, k, rank = rows * tp_size, cols * tp_size, 3
@@ -399,7 +410,8 @@ def test_tensor_parallel_blocks_follow_a_bf16_trainers_stochastic_rounding(tp_si
             merge_like_trainer_(
                 row[tp_rank], target, projection, index, None, placement.factor_rows, placement.projection_cols
             )
-        assert torch.equal(torch.cat(column), trainer) and torch.equal(torch.cat(row, dim=1), trainer)
+        _assert_the_trainers_values(torch.cat(column), trainer)
+        _assert_the_trainers_values(torch.cat(row, dim=1), trainer)
     factor, projection = torch.randn(d, rank, generator=generator), make_projection(seed, rank, k, "rademacher")
     whole = trainer.clone()
     merge_low_rank_(
@@ -410,11 +422,14 @@ def test_tensor_parallel_blocks_follow_a_bf16_trainers_stochastic_rounding(tp_si
     spans = [
         (slice(first, max(last, first + 1)), slice(cols * i, cols * (i + 1))) for i, (first, last) in enumerate(bounds)
     ]
-    blocks = [(trainer[rows_of, cols_of].clone(), rows_of, cols_of) for rows_of, cols_of in spans]
+    # An fp32 copy holds the same bf16 values.
+    dtypes = (torch.bfloat16, torch.float32, torch.bfloat16)
+    blocks = [(trainer[r, c].to(dtype), r, c) for (r, c), dtype in zip(spans, dtypes)]
     noise = torch.Generator().manual_seed(seed)
     merge_low_rank_blocks_(blocks, factor, projection, generator=noise, chunk_bytes=4 * k * chunk_rows)
-    for block, rows_of, cols_of in blocks:
-        assert torch.equal(block, whole[rows_of, cols_of])
+    for (block, rows_of, cols_of), dtype in zip(blocks, dtypes):
+        assert block.dtype == dtype
+        _assert_the_trainers_values(block.to(torch.bfloat16), whole[rows_of, cols_of])
 
 
 @given(tp_size=st.sampled_from([1, 2, 4]), rows=st.integers(1, 4), cols=st.integers(1, 4), seed=st.integers(0, 999))

@@ -199,9 +199,11 @@ def test_grpo_with_colocated_vllm_trains_and_syncs_compressed(tmp_path):
 def test_a_whole_experts_matrix_merges_as_the_trainer_merged_it(rounding):
     """An engine rank holding all experts unsliced and unpadded merges the ``E·d × k`` matrix in one
     piece, so its bf16 copy repeats a bf16 trainer's rounding bit for bit. With tensor parallelism
-    each rank's blocks take their part of the noise the trainer's whole matrix drew, so they repeat
-    it bit for bit too (stochastic and nearest rounding); against fp32 masters (``exact``, a fresh
-    compensation per shard here) they land within one bf16 ulp of the exact update."""
+    each rank's blocks take their part of the noise the trainer's whole matrix drew, so they hold
+    its values (equal here; a block's fp32 product may round a last bit differently from the whole
+    matrix's, which rarely moves a bf16 value by one ulp: tests/test_sync.py); against fp32 masters
+    (``exact``, a fresh compensation per shard here) they land within one bf16 ulp of the exact
+    update."""
     from logra_optim.sync import merge_like_trainer_
 
     experts, intermediate, hidden, rank = 3, 8, 16, 4

@@ -239,10 +239,14 @@ def model_config(spec: dict):
         if found is None:
             raise ValueError(f"--experts {spec['experts']}: the model has no mixture-of-experts blocks")
         groups = getattr(config, "n_group", None) or 1  # DeepSeek routes within groups of experts
-        if spec["experts"] % groups:
-            raise ValueError(f"--experts {spec['experts']}: must be a multiple of the config's n_group ({groups})")
+        if groups > 1 and (spec["experts"] % groups or spec["experts"] // groups < 2):
+            raise ValueError(
+                f"--experts {spec['experts']}: must be a multiple of the config's n_group ({groups}) with at least "
+                "two experts per group (its router takes the best two of each group)"
+            )
         setattr(config, found[0], spec["experts"])
-        config.num_experts_per_tok = min(config.num_experts_per_tok, spec["experts"])
+        reachable = spec["experts"] // groups * (getattr(config, "topk_group", None) or groups)
+        config.num_experts_per_tok = min(config.num_experts_per_tok, spec["experts"], reachable)
     if spec.get("layers"):
         config.num_hidden_layers = spec["layers"]
         if getattr(config, "layer_types", None):  # per-layer attention kinds must match the count

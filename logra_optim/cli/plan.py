@@ -260,7 +260,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
         bench = {
             **meta,
             "checkpointing": bool(meta.get("checkpointing")),  # absent from older runs: off
-            "adamw": {True: "fused", False: "unfused"}.get(meta.get("torch_adamw", {}).get("fused")),
+            "adamw": "fused" if meta.get("torch_adamw", {}).get("fused") else None,
         }
         compared = (
             ("adamw", setting.adamw),
