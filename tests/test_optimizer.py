@@ -17,7 +17,7 @@ import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from logra_optim import LoGRAOptimizer, make_projection, patch_model, patched_modules, projection_seed
+from logra_optim import LoGRAOptimizer, make_projection, patch_model, patched_modules, probe, projection_seed
 from tests.helpers import reference
 from tests.helpers.optim import assert_same_state, backward_random, snapshot, two_linear
 from tests.helpers.recorders import OutputShapes
@@ -780,6 +780,15 @@ def test_a_skipped_16bit_update_leaves_the_floor_as_it_was():
         opt.step()
     assert opt.nonfinite_skips == 1 and opt.polar_floor == POLAR_FLOOR
     assert opt.state_dict()["logra"]["polar_floor"] == POLAR_FLOOR
+    # A probe that skips the update (here: its logits are NaN) leaves the floor too.
+    model = patch_model(tiny_qwen2()).train()
+    nan_logits = lambda model, contexts: probe.default_logits_fn(model, contexts) * float("nan")  # noqa: E731
+    opt = LoGRAOptimizer(model, rank=4, kl_budget=1e-3, probe="finite_difference", probe_logits_fn=nan_logits)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(**fixed_batch()).loss.backward()
+    with pytest.warns(RuntimeWarning, match="predicted KL q=nan"):
+        opt.step()
+    assert opt.probe_skips == 1 and opt.update_index == 0 and opt.polar_floor == POLAR_FLOOR
 
 
 def test_a_rowadam_checkpoint_resumes_with_rowadam_under_the_orthogonal_default():
