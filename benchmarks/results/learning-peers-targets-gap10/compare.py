@@ -1,47 +1,65 @@
-"""Compare GaLore/APOLLO-Mini (targets only) at projection gap 200 (stored) and 10 (new run)."""
-import json, statistics as st, sys
-old = json.load(open(sys.argv[1])); new = json.load(open(sys.argv[2]))
-def runs(d):
-    out = {}
-    for r in d["runs"]:
-        out.setdefault((r["task"], r["method"], r["value"]), {})[r["seed"]] = r["metrics"]
-    return out
-o, n = runs(old), runs(new)
-# identical warm starts?
-same = all(abs(o[k][s]["greedy_before"] - n[k][s]["greedy_before"]) < 1e-12 for k in n for s in n[k] if k in o and s in o[k])
-print("warm starts identical (greedy before RL):", same)
-for task in ("addition", "sort"):
-    for method in ("galore", "apollo-mini"):
-        for label, d in (("gap 200", o), ("gap 10", n)):
-            settings = {v: d[(task, method, v)] for (t, m, v) in d if t == task and m == method}
-            best = max(settings, key=lambda v: st.mean(x["auc"] for x in settings[v].values()))
-            aucs = [settings[best][s]["auc"] for s in sorted(settings[best])]
-            greedy = [settings[best][s]["greedy_after"] for s in sorted(settings[best])]
-            kl = [settings[best][s]["kl_measured"] for s in sorted(settings[best])]
-            print(f"{task:8s} {method:11s} {label:7s} best lr {best:g}: AUC {st.mean(aucs):.3f} ± {st.stdev(aucs):.3f}  greedy {st.mean(greedy):.3f}  KL {st.mean(kl):.1e}  per-lr AUC "
-                  + ", ".join(f"{v:g}:{st.mean(x['auc'] for x in settings[v].values()):.3f}" for v in sorted(settings)))
-        # paired by seed at each one's best
-        def best_of(d):
-            settings = {v: d[(task, method, v)] for (t, m, v) in d if t == task and m == method}
-            b = max(settings, key=lambda v: st.mean(x["auc"] for x in settings[v].values()))
-            return settings[b]
-        bo, bn = best_of(o), best_of(n)
-        diffs = [bn[s]["auc"] - bo[s]["auc"] for s in sorted(bn)]
-        gd = [bn[s]["greedy_after"] - bo[s]["greedy_after"] for s in sorted(bn)]
-        se = lambda x: st.stdev(x) / len(x) ** 0.5
-        print(f"   gap 10 − gap 200, paired by seed: AUC {st.mean(diffs):+.3f} ± {se(diffs):.3f}, greedy {st.mean(gd):+.3f} ± {se(gd):.3f}")
-if len(sys.argv) > 3:
-    lg = runs(json.load(open(sys.argv[3])))
+"""GaLore and APOLLO-Mini on LoGRA's targets at projection gap 200 (the stored race) against gap 10
+(this folder's run), and optionally against LoGRA: best of each sweep, differences paired by seed.
+
+    python compare.py GAP200/learning.json GAP10/learning.json [LOGRA/learning.json]
+"""
+
+import json
+import statistics
+import sys
+
+
+def runs(path: str) -> dict:
+    """``{(task, method, setting): {seed: metrics}}`` of a bench_learning.py learning.json."""
+    found = {}
+    for run in json.load(open(path))["runs"]:
+        found.setdefault((run["task"], run["method"], run["value"]), {})[run["seed"]] = run["metrics"]
+    return found
+
+
+def best(found: dict, task: str, method: str) -> tuple[float, dict]:
+    """The setting with the highest mean AUC over seeds, and its runs."""
+    settings = {value: seeds for (t, m, value), seeds in found.items() if t == task and m == method}
+    value = max(settings, key=lambda v: statistics.mean(x["auc"] for x in settings[v].values()))
+    return value, settings[value]
+
+
+def paired(a: dict, b: dict, key: str) -> str:
+    """Mean ± standard error over seeds of ``a − b``."""
+    differences = [a[seed][key] - b[seed][key] for seed in sorted(a)]
+    error = statistics.stdev(differences) / len(differences) ** 0.5
+    return f"{statistics.mean(differences):+.3f} ± {error:.3f}"
+
+
+def main(old_path: str, new_path: str, logra_path: str | None = None) -> None:
+    old, new = runs(old_path), runs(new_path)
+    same = all(old[key][seed]["greedy_before"] == new[key][seed]["greedy_before"] for key in new for seed in new[key])
+    print("warm starts identical (greedy before RL):", same)
     for task in ("addition", "sort"):
-        settings = {v: lg[(t, m, v)] for (t, m, v) in lg if t == task and m == "logra"}
-        b = max(settings, key=lambda v: st.mean(x["auc"] for x in settings[v].values()))
-        ref = settings[b]
-        same = all(abs(ref[s]["greedy_before"] - n[(task, "galore", 0.003)][s]["greedy_before"]) < 1e-12 for s in ref)
-        print(task, "LoGRA defaults best", b, "AUC", f"{st.mean(x['auc'] for x in ref.values()):.3f}", "same warm starts:", same)
         for method in ("galore", "apollo-mini"):
-            settings = {v: n[(t, m, v)] for (t, m, v) in n if t == task and m == method}
-            bb = max(settings, key=lambda v: st.mean(x["auc"] for x in settings[v].values()))
-            d = [settings[bb][s]["auc"] - ref[s]["auc"] for s in sorted(ref)]
-            g = [settings[bb][s]["greedy_after"] - ref[s]["greedy_after"] for s in sorted(ref)]
-            se = lambda x: st.stdev(x) / len(x) ** 0.5
-            print(f"   {method} gap 10 − LoGRA: AUC {st.mean(d):+.3f} ± {se(d):.3f}, greedy {st.mean(g):+.3f} ± {se(g):.3f}")
+            for label, found in (("gap 200", old), ("gap 10", new)):
+                value, seeds = best(found, task, method)
+                auc = [seeds[s]["auc"] for s in sorted(seeds)]
+                greedy = statistics.mean(seeds[s]["greedy_after"] for s in seeds)
+                print(
+                    f"{task:8s} {method:11s} {label:7s} best lr {value:g}: AUC {statistics.mean(auc):.3f} ± "
+                    f"{statistics.stdev(auc):.3f}  greedy {greedy:.3f}"
+                )
+            (_, fresh), (_, stored) = best(new, task, method), best(old, task, method)
+            auc, greedy = paired(fresh, stored, "auc"), paired(fresh, stored, "greedy_after")
+            print(f"   gap 10 − gap 200, paired: AUC {auc}, greedy {greedy}")
+    if logra_path is None:
+        return
+    logra = runs(logra_path)
+    for task in ("addition", "sort"):
+        value, reference = best(logra, task, "logra")
+        print(task, f"LoGRA best budget {value:g}, AUC {statistics.mean(x['auc'] for x in reference.values()):.3f}")
+        for method in ("galore", "apollo-mini"):
+            for label, found in (("gap 200", old), ("gap 10", new)):
+                _, seeds = best(found, task, method)
+                auc, greedy = paired(seeds, reference, "auc"), paired(seeds, reference, "greedy_after")
+                print(f"   {method} {label} − LoGRA: AUC {auc}, greedy {greedy}")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
