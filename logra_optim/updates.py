@@ -286,8 +286,19 @@ def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator | None 
     ``E[round(x)] = x``, so updates far below bf16's resolution still move the weight on average
     instead of vanishing. Adds uniform noise to the 16 bits that bf16 drops, then truncates.
     """
-    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
-    return _round_with_noise_to_bf16(x, noise)
+    return _round_with_noise_to_bf16(x, _bf16_noise(x.shape, x.device, generator))
+
+
+def _bf16_noise(shape, device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
+    """Uniform 16-bit noise (int32) for :func:`_round_with_noise_to_bf16`: one draw per entry, in
+    row-major order, so that a block can take its part of a whole matrix's draw."""
+    return torch.randint(0, 1 << 16, tuple(shape), dtype=torch.int32, device=device, generator=generator)
+
+
+def _rows_per_chunk(width: int, chunk_bytes: int) -> int:
+    """Rows of a ``width``-wide matrix per chunk of a 16-bit merge (an fp32 temporary of at most
+    ``chunk_bytes``): the trainer's and an engine's merges must chunk alike to draw alike."""
+    return max(1, chunk_bytes // (4 * width))
 
 
 def _round_with_noise_to_bf16(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -331,7 +342,7 @@ def merge_low_rank_(
     if weight.dtype in (torch.float32, torch.float64):
         return weight.addmm_(factor.to(weight.dtype), projection.to(weight.dtype), alpha=-1.0)
     projection32 = projection.float()
-    rows_per_chunk = max(1, chunk_bytes // (4 * weight.shape[1]))
+    rows_per_chunk = _rows_per_chunk(weight.shape[1], chunk_bytes)
     for start in range(0, weight.shape[0], rows_per_chunk):
         rows = slice(start, start + rows_per_chunk)
         updated = torch.addmm(weight[rows].float(), factor[rows].float(), projection32, alpha=-1.0)
@@ -365,7 +376,7 @@ def merge_low_rank_blocks_(
     otherwise than the whole matrix's, which with the same noise rarely gives the neighbouring bf16
     value. The blocks must be disjoint and, with the generator, on ``factor``'s device."""
     d, k = factor.shape[0], projection.shape[1]
-    rows_per_chunk = max(1, chunk_bytes // (4 * k))
+    rows_per_chunk = _rows_per_chunk(k, chunk_bytes)
     by_chunk: dict[int, list] = {}  # chunk index → the blocks that hold rows of it
     for block, rows, cols in blocks:
         first, end, step = rows.indices(d)
@@ -378,9 +389,7 @@ def merge_low_rank_blocks_(
             by_chunk.setdefault(chunk, []).append(span)
     for chunk in range(max(by_chunk, default=-1) + 1):
         start, stop = chunk * rows_per_chunk, min((chunk + 1) * rows_per_chunk, d)
-        noise = torch.randint(
-            0, 1 << 16, (stop - start, k), dtype=torch.int32, device=factor.device, generator=generator
-        )
+        noise = _bf16_noise((stop - start, k), factor.device, generator)
         for block, first, end, cols, projection32 in by_chunk.get(chunk, ()):
             low, high = max(start, first), min(stop, end)
             local = slice(low - first, high - first)

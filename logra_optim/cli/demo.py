@@ -51,7 +51,7 @@ from .measure import (
     resolve_device,
     synchronize,
 )
-from .peers import LOW_RANK_PEERS, lora_model, low_rank_optimizer, train_only_targets
+from .peers import LOW_RANK_PEERS, check_proj_gap, lora_model, low_rank_optimizer, train_only_targets
 from .runner import run_fresh
 
 # LoGRA and the three ways to train the same model it is measured against by default: dense AdamW
@@ -184,9 +184,7 @@ class DemoSettings:
             )
         if self.peer_scope not in PEER_SCOPES:
             raise ValueError(f"peer_scope must be one of {', '.join(PEER_SCOPES)}, got {self.peer_scope!r}")
-        gap = self.peer_proj_gap
-        if gap is not None and (isinstance(gap, bool) or not isinstance(gap, int) or gap < 1):
-            raise ValueError(f"peer_proj_gap must be a positive integer or None, got {gap!r}")
+        check_proj_gap("peer_proj_gap", self.peer_proj_gap)
         rate = self.logra_non_target_lr
         if rate is not None and not (isinstance(rate, int | float) and math.isfinite(rate) and rate > 0):
             raise ValueError(f"logra_non_target_lr must be a positive finite learning rate or None, got {rate!r}")

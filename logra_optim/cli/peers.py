@@ -68,6 +68,12 @@ def trainable(model) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+def check_proj_gap(name: str, gap) -> None:
+    """Refuse a projection refresh interval that is not a positive integer or None, naming it."""
+    if gap is not None and (isinstance(gap, bool) or not isinstance(gap, int) or gap < 1):
+        raise ValueError(f"{name} must be a positive integer or None, got {gap!r}")
+
+
 def low_rank_optimizer(model, method: str, rank: int, proj_gap: int | None = None, **adamw) -> torch.optim.Optimizer:
     """The optimizer of a low-rank peer (one of ``LOW_RANK_PEERS``) over every trainable parameter
     of ``model``: GaLore's or APOLLO's rule on the weights of LoGRA's targets (rank ``rank``, or
@@ -76,8 +82,7 @@ def low_rank_optimizer(model, method: str, rank: int, proj_gap: int | None = Non
     steps between projection refreshes (``update_proj_gap``; default their READMEs' 200, which a
     run of a few hundred updates refreshes once or twice, where LoGRA redraws its ``A`` every 10).
     ``adamw``: the optimizer's ``lr``, ``betas``, ``eps``, ``weight_decay``."""
-    if proj_gap is not None and (isinstance(proj_gap, bool) or not isinstance(proj_gap, int) or proj_gap < 1):
-        raise ValueError(f"proj_gap must be a positive integer or None, got {proj_gap!r}")
+    check_proj_gap("proj_gap", proj_gap)
     if method not in LOW_RANK_PEERS:
         raise ValueError(f"unknown low-rank peer {method!r}; choose from {', '.join(LOW_RANK_PEERS)}")
     low_rank = {id(module.weight) for _, module in find_target_modules(model)}
