@@ -705,8 +705,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             generator, local = None, weight.local()
             if local.dtype == torch.bfloat16 and self.options.stochastic_rounding:
                 generator = torch.Generator(device=local.device)
-                # Derived from what a sync payload carries, so a bf16 engine can draw the same noise.
-                generator.manual_seed(rounding_seed(self.projection_seed(step.index), self.update_index + 1))
+                generator.manual_seed(self._rounding_seed(step.index))
             weight.merge_(
                 factor.contiguous(),
                 projection,
@@ -717,17 +716,26 @@ class LoGRAOptimizer(torch.optim.Optimizer):
 
     def _merged_update(self) -> Update:
         """The update just merged (called before the update counter advances)."""
-        targets = tuple(
-            TargetUpdate(
-                target.parameter_name,
-                self.projection_seed(index),
-                target.shape[1],
-                weight.last_factor,
-                self._rounding(weight.local().dtype),
+        targets = []
+        for index, (target, weight) in enumerate(zip(self._targets, self._weights)):
+            rounding = self._rounding(weight.local().dtype)
+            seed = self._rounding_seed(index) if rounding == "stochastic" else None
+            targets.append(
+                TargetUpdate(
+                    target.parameter_name,
+                    self.projection_seed(index),
+                    target.shape[1],
+                    weight.last_factor,
+                    rounding,
+                    seed,
+                )
             )
-            for index, (target, weight) in enumerate(zip(self._targets, self._weights))
-        )
-        return Update(self.update_index + 1, targets)
+        return Update(self.update_index + 1, tuple(targets))
+
+    def _rounding_seed(self, index: int) -> int:
+        """Seed of target ``index``'s stochastic rounding in the update being merged; the sync
+        payload carries it, so that a bf16 engine draws the same noise."""
+        return rounding_seed(self.projection_seed(index), self.update_index + 1, self._targets[index].name)
 
     def _rounding(self, dtype: torch.dtype) -> str:
         """How a merge into a weight of ``dtype`` rounds (see :mod:`.sync`)."""

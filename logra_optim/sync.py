@@ -7,11 +7,11 @@ very factor it sends (``LoGRAOptimizer(wire_dtype=torch.bfloat16)`` rounds ``F``
 both sides apply the same update; the remaining difference is the arithmetic of the two merges and
 the engine's storage dtype, which :func:`weight_checksum` lets a caller measure.
 
-Format, version 4 (``PAYLOAD_VERSION``). :meth:`SyncPayload.encode` writes a plain dict with
+Format, version 5 (``PAYLOAD_VERSION``). :meth:`SyncPayload.encode` writes a plain dict with
 ``torch.save``; only tensors, numbers and strings, so ``torch.load(weights_only=True)`` reads it::
 
     {
-      "format": "logra-sync", "version": 4,
+      "format": "logra-sync", "version": 5,
       "rank": r, "expert_rank": r_e,     # factor columns of linear / of stacked experts weights
       "projection": "rademacher" | "gaussian",
       "updates": [                       # consecutive update indices, oldest first
@@ -22,7 +22,8 @@ Format, version 4 (``PAYLOAD_VERSION``). :meth:`SyncPayload.encode` writes a pla
             "in_features": k,
             "factor": F,                 # d×r (E·d × r_e for E stacked experts, by expert), the wire
                                          # dtype (bf16 by default), contiguous
-            "rounding": "exact" | "stochastic" | "nearest"},  # how the trainer's copy absorbed it
+            "rounding": "exact" | "stochastic" | "nearest",  # how the trainer's copy absorbed it
+            "rounding_seed": t | None},  # the seed of its "stochastic" rounding (None otherwise)
 
            ...]},
         ...]
@@ -35,10 +36,11 @@ so the seed is all the engine needs.
 ``rounding`` says how the trainer's own copy of the weight absorbed the update, so that an engine
 holding 16-bit weights can follow it (:func:`merge_like_trainer_`): ``"exact"`` (fp32 master
 weights: the engine keeps a compensation buffer so that nothing is rounded away), ``"stochastic"``
-(bf16 weights rounded stochastically with the seed :func:`rounding_seed`: the engine draws the
-same noise) or ``"nearest"``. Older versions are refused (1 had no ``rounding``, 2 no
-``expert_rank``, 3 meant ``A`` from the CPU Mersenne Twister: its seeds would give other matrices
-now).
+(bf16 weights rounded stochastically with the noise of ``rounding_seed``, which the payload carries
+so that the engine draws the same noise) or ``"nearest"``. Older versions are refused (1 had no
+``rounding``, 2 no ``expert_rank``, 3 meant ``A`` from the CPU Mersenne Twister: its seeds would
+give other matrices now; 4 derived the rounding seed from the projection seed, which siblings
+sharing ``A`` share).
 
 A stacked mixture-of-experts weight (``[E, d, k]``, e.g. ``…experts.gate_up_proj``) is one target:
 the ``E·d × k`` matrix of its row-major layout, as the optimizer treats it, so ``F`` stacks the
@@ -49,6 +51,8 @@ those (``VLLMSync`` refuses them).
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import io
 import math
 from collections.abc import Callable
@@ -56,11 +60,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .projection import PROJECTIONS, make_projection
+from .projection import PROJECTIONS, canonical_name, make_projection
 from .updates import all_finite, merge_low_rank_, merge_low_rank_blocks_, merge_low_rank_compensated_
 
 PAYLOAD_FORMAT = "logra-sync"
-PAYLOAD_VERSION = 4
+PAYLOAD_VERSION = 5
 ROUNDINGS = ("exact", "stochastic", "nearest")
 _MAX_SEED = 2**63
 
@@ -71,13 +75,15 @@ class PayloadError(ValueError):
 
 @dataclass(frozen=True)
 class TargetUpdate:
-    """One target's share of one update: ``W[name] ← W[name] − factor · A(seed)``."""
+    """One target's share of one update: ``W[name] ← W[name] − factor · A(seed)``; a ``"stochastic"``
+    rounding carries the seed of its noise (:func:`rounding_seed`)."""
 
     name: str
     seed: int
     in_features: int
     factor: torch.Tensor
     rounding: str = "exact"
+    rounding_seed: int | None = None
 
     @property
     def out_features(self) -> int:
@@ -140,6 +146,7 @@ class SyncPayload:
                             "in_features": t.in_features,
                             "factor": t.factor,
                             "rounding": t.rounding,
+                            "rounding_seed": t.rounding_seed,
                         }
                         for t in u.targets
                     ],
@@ -156,8 +163,8 @@ class SyncPayload:
             raise PayloadError(
                 f"sync payload version {data.get('version')!r} is not supported: this side reads version "
                 f"{PAYLOAD_VERSION} only (version 3 and older generated A with another random generator, so their "
-                "seeds do not give the trainer's A here); update logra-optim on the trainer and the engine to the "
-                "same release"
+                "seeds do not give the trainer's A here; version 4 seeded a bf16 trainer's rounding otherwise); "
+                "update logra-optim on the trainer and the engine to the same release"
             )
         try:
             updates = tuple(
@@ -165,7 +172,12 @@ class SyncPayload:
                     int(u["index"]),
                     tuple(
                         TargetUpdate(
-                            str(t["name"]), int(t["seed"]), int(t["in_features"]), t["factor"], str(t["rounding"])
+                            str(t["name"]),
+                            int(t["seed"]),
+                            int(t["in_features"]),
+                            t["factor"],
+                            str(t["rounding"]),
+                            None if t["rounding_seed"] is None else int(t["rounding_seed"]),
                         )
                         for t in u["targets"]
                     ),
@@ -238,6 +250,14 @@ def _validate(payload: SyncPayload) -> None:
                 raise PayloadError(f"{where}: factor is not finite")
             if target.rounding not in ROUNDINGS:
                 raise PayloadError(f"{where}: rounding must be one of {ROUNDINGS}, got {target.rounding!r}")
+            stochastic = target.rounding == "stochastic"
+            if stochastic != (target.rounding_seed is not None) or (
+                stochastic and not 0 <= target.rounding_seed < _MAX_SEED
+            ):
+                raise PayloadError(
+                    f"{where}: rounding_seed must be an integer in [0, 2**63) for rounding 'stochastic' and None "
+                    f"otherwise, got {target.rounding_seed!r} with rounding {target.rounding!r}"
+                )
 
 
 def projection_of(payload: SyncPayload, target: TargetUpdate, device=None) -> torch.Tensor:
@@ -261,22 +281,21 @@ def projections_of(payload: SyncPayload, device=None) -> Callable[[TargetUpdate]
     return projection
 
 
-def rounding_seed(projection_seed: int, update_index: int) -> int:
-    """Seed of the stochastic rounding of one target's merge in update ``update_index`` (1-based):
-    derived from what the payload carries, so that an engine can draw the trainer's noise.
+def rounding_seed(projection_seed: int, update_index: int, name: str) -> int:
+    """Seed of the stochastic rounding of one target's merge in update ``update_index`` (1-based), as
+    the optimizer draws it: from the target's projection seed and its canonical ``name``.
 
-    Siblings sharing ``A`` share the projection seed and hence this one: where their shapes agree
-    (k/v, gate/up) their bf16 roundings use the same uniforms. Each rounding stays unbiased; their
-    errors are correlated, which matters only at second order (a bf16 ulp squared) and only for
-    bf16-stored trainer weights (fp32 masters round nothing)."""
-    return (projection_seed * 0x9E3779B97F4A7C15 + update_index * 0xBF58476D1CE4E5B9) % _MAX_SEED
+    Why the name: siblings sharing ``A`` (q/k/v, gate/up) share the projection seed, and a seed of
+    that alone gave same-shaped siblings (k/v, gate/up) the same uniforms, so their rounding errors
+    were correlated. The payload carries the result, so an engine needs neither input."""
+    key = f"logra/rounding/v1/{int(projection_seed)}/{int(update_index)}/{canonical_name(name)}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
 def merge_like_trainer_(
     weight: torch.Tensor,
     target: TargetUpdate,
     projection: torch.Tensor,
-    update_index: int,
     compensation: torch.Tensor | None = None,
     factor_rows: slice = slice(None),
     projection_cols: slice = slice(None),
@@ -304,9 +323,9 @@ def merge_like_trainer_(
             merge_low_rank_compensated_(weight, compensation, factor, block)
         return
     if target.rounding == "stochastic" and (factor_rows, projection_cols) != (slice(None), slice(None)):
-        merge_blocks_like_trainer_([(weight, factor_rows, projection_cols)], target, projection, update_index)
+        merge_blocks_like_trainer_([(weight, factor_rows, projection_cols)], target, projection)
         return
-    generator = _rounding_generator(target, update_index, weight.device)
+    generator = _rounding_generator(target, weight.device)
     copy = weight if weight.dtype == torch.bfloat16 else weight.to(torch.bfloat16)
     merge_low_rank_(copy, factor, block, stochastic_rounding=generator is not None, generator=generator)
     if copy is not weight:
@@ -314,7 +333,7 @@ def merge_like_trainer_(
 
 
 def merge_blocks_like_trainer_(
-    blocks: list[tuple[torch.Tensor, slice, slice]], target: TargetUpdate, projection: torch.Tensor, update_index: int
+    blocks: list[tuple[torch.Tensor, slice, slice]], target: TargetUpdate, projection: torch.Tensor
 ) -> None:
     """Several disjoint blocks ``(copy, factor_rows, projection_cols)`` of one target's matrix, on one
     device, against a bf16 trainer that rounds stochastically (``target.rounding == "stochastic"``):
@@ -324,16 +343,16 @@ def merge_blocks_like_trainer_(
     if not blocks:
         return
     device = blocks[0][0].device
-    generator = _rounding_generator(target, update_index, device)
+    generator = _rounding_generator(target, device)
     merge_low_rank_blocks_(blocks, target.factor.to(device), projection.to(device), generator=generator)
 
 
-def _rounding_generator(target: TargetUpdate, update_index: int, device: torch.device) -> torch.Generator | None:
+def _rounding_generator(target: TargetUpdate, device: torch.device) -> torch.Generator | None:
     """The generator of the trainer's stochastic rounding of this update (``None`` for another rounding)."""
     if target.rounding != "stochastic":
         return None
     generator = torch.Generator(device=device)
-    generator.manual_seed(rounding_seed(target.seed, update_index))
+    generator.manual_seed(target.rounding_seed)
     return generator
 
 
@@ -405,8 +424,7 @@ class UpdateRecorder:
 
     def _record(self, optimizer, update: Update) -> None:
         targets = tuple(
-            TargetUpdate(self.rename(t.name), t.seed, t.in_features, t.factor.detach().to("cpu"), t.rounding)
-            for t in update.targets
+            dataclasses.replace(t, name=self.rename(t.name), factor=t.factor.detach().to("cpu")) for t in update.targets
         )
         self.pending.append(Update(update.index, targets))
         self._settings.append((optimizer.rank, optimizer.projection, optimizer.expert_rank))

@@ -157,9 +157,7 @@ def _engine_copies(opt: LoGRAOptimizer, dtype: torch.dtype) -> dict:
     def apply(optimizer, update):
         for target in update.targets:
             projection = make_projection(target.seed, optimizer.rank, target.in_features, optimizer.projection)
-            merge_like_trainer_(
-                copies["engine"][target.name], target, projection, update.index, copies["compensation"][target.name]
-            )
+            merge_like_trainer_(copies["engine"][target.name], target, projection, copies["compensation"][target.name])
             merge_low_rank_(copies["nearest"][target.name], target.factor, projection, stochastic_rounding=False)
 
     opt.register_merge_hook(apply)
@@ -221,6 +219,45 @@ def test_engine_copy_of_a_bf16_trainer_is_bit_identical(engine_dtype):
         assert torch.equal(copies["engine"][name], target.weight.detach().to(engine_dtype)), name
         assert not bool(copies["compensation"][name].any())  # no compensation: the trainer rounds itself
     assert any(not torch.equal(copies["start"][t.parameter_name].bfloat16(), t.weight) for t in opt.targets)
+
+
+def test_siblings_sharing_a_projection_round_with_their_own_noise():
+    """q/k/v (and gate/up) share ``A`` and so its seed; a bf16 trainer's stochastic rounding must not
+    share their noise too: k and v have one shape here, and one seed would give them the same
+    uniforms, correlating their rounding errors. Each target carries a seed of its own in the payload
+    (the bit-identical engine above draws from those), and the trainer rounds with it: redoing a
+    sibling's merge with another target's seed gives other weights."""
+    from logra_optim.projection import make_projection
+    from logra_optim.updates import merge_low_rank_
+
+    model = patch_model(tiny_qwen2(seed=8, dtype=torch.bfloat16))
+    opt = LoGRAOptimizer(model, rank=4, update_ratio=6e-5)
+    layer = model.model.layers[0].self_attn
+    assert layer.k_proj.weight.shape == layer.v_proj.weight.shape  # the case a shared seed got wrong
+    updates, before = [], {}
+    opt.register_merge_hook(lambda _, update: updates.append(update))
+    for step in range(3):
+        before = {t.parameter_name: t.weight.detach().clone() for t in opt.targets}
+        model(**fixed_batch(seed=step)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    for update in updates:
+        by_name = {t.name: t for t in update.targets}
+        k, v = (by_name[f"model.layers.0.self_attn.{m}_proj.weight"] for m in ("k", "v"))
+        assert k.seed == v.seed and k.rounding == v.rounding == "stochastic"
+        seeds = [t.rounding_seed for t in update.targets]
+        assert len(set(seeds)) == len(seeds), "two targets of one update round with the same noise"
+    # The last update of v_proj, redone from its weights before it: its own seed gives the trainer's
+    # result, k_proj's seed (the seed a shared projection seed used to give both) does not.
+    name = "model.layers.0.self_attn.v_proj.weight"
+    v = {t.name: t for t in updates[-1].targets}[name]
+    k_seed = {t.name: t for t in updates[-1].targets}[name.replace("v_proj", "k_proj")].rounding_seed
+    projection = make_projection(v.seed, opt.rank, v.in_features, opt.projection)
+    after = dict(model.named_parameters())[name].detach()
+    for seed, same in ((v.rounding_seed, True), (k_seed, False)):
+        redone = before[name].clone()
+        merge_low_rank_(redone, v.factor, projection, generator=torch.Generator().manual_seed(seed))
+        assert torch.equal(redone, after) is same
 
 
 @pytest.mark.parametrize("kl_budget", [None, 1e-4])

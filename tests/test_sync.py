@@ -46,7 +46,12 @@ def _payload(first=1, updates=2, rank=3, shapes=((5, 7), (4, 6)), dtype=torch.bf
                 first + u,
                 tuple(
                     TargetUpdate(
-                        f"layer{i}.weight", 1000 * u + i, k, torch.randn(d, rank, generator=generator).to(dtype)
+                        f"layer{i}.weight",
+                        1000 * u + i,
+                        k,
+                        torch.randn(d, rank, generator=generator).to(dtype),
+                        # every other target as a bf16 trainer's, with its rounding seed
+                        *(("stochastic", rounding_seed(1000 * u + i, first + u, f"layer{i}")) if i % 2 else ()),
                     )
                     for i, (d, k) in enumerate(shapes)
                 ),
@@ -82,7 +87,13 @@ def test_payload_round_trip_is_exact(first, updates, rank, shapes, dtype):
     for a, b in zip(payload.updates, decoded.updates):
         assert a.index == b.index
         for x, y in zip(a.targets, b.targets):
-            assert (x.name, x.seed, x.in_features) == (y.name, y.seed, y.in_features)
+            assert (x.name, x.seed, x.in_features, x.rounding, x.rounding_seed) == (
+                y.name,
+                y.seed,
+                y.in_features,
+                y.rounding,
+                y.rounding_seed,
+            )
             assert x.factor.dtype == y.factor.dtype and torch.equal(x.factor, y.factor)
     # the factors dominate: metadata is a few hundred bytes per target plus a fixed header
     assert payload.factor_bytes < len(data) < payload.factor_bytes + 1500 + 400 * len(shapes) * updates
@@ -142,8 +153,15 @@ def test_expert_factors_carry_their_own_rank():
         # before the counter-based projections: its seeds would give another A
         (
             lambda d: d.update(version=3),
-            "version 3 is not supported: this side reads version 4 only .*random generator",
+            "version 3 is not supported: this side reads version 5 only .*random generator",
         ),
+        # before the rounding seeds travelled: siblings' noise was drawn from their shared projection seed
+        (lambda d: d.update(version=4), "version 4 is not supported.*rounding otherwise"),
+        (
+            lambda d: d["updates"][0]["targets"][0].update(rounding_seed=5),
+            "rounding_seed must be .* got 5 with rounding 'exact'",
+        ),
+        (lambda d: d["updates"][0]["targets"][0].pop("rounding_seed"), "missing or mistyped"),
         (lambda d: d.update(expert_rank=0), "expert_rank must be a positive integer"),
         (lambda d: d.pop("expert_rank"), "missing or mistyped"),
         (lambda d: d["updates"][0]["targets"][1].update(name="layer0.weight"), "names a target twice"),
@@ -400,15 +418,16 @@ def test_tensor_parallel_blocks_follow_a_bf16_trainers_stochastic_rounding(tp_si
     row = [trainer[:, i * cols : (i + 1) * cols].clone() for i in range(tp_size)]
     for index in (1, 2, 3):
         projection = make_projection(seed + index, rank, k, "rademacher")
-        target = TargetUpdate("w", seed + index, k, 1e-2 * torch.randn(d, rank, generator=generator), "stochastic")
-        noise = torch.Generator().manual_seed(rounding_seed(target.seed, index))
+        factor = 1e-2 * torch.randn(d, rank, generator=generator)
+        target = TargetUpdate("w", seed + index, k, factor, "stochastic", rounding_seed(seed + index, index, "w"))
+        noise = torch.Generator().manual_seed(target.rounding_seed)
         merge_low_rank_(trainer, target.factor, projection, generator=noise)
         for tp_rank in range(tp_size):
             (placement,) = column_parallel_placements("w", ["w"], [d], [rows], [tp_rank], k).values()
-            merge_like_trainer_(column[tp_rank], target, projection, index, None, placement.factor_rows)
+            merge_like_trainer_(column[tp_rank], target, projection, None, placement.factor_rows)
             placement = row_parallel_placement("w", d, cols, tp_rank, tp_size)
             merge_like_trainer_(
-                row[tp_rank], target, projection, index, None, placement.factor_rows, placement.projection_cols
+                row[tp_rank], target, projection, None, placement.factor_rows, placement.projection_cols
             )
         _assert_the_trainers_values(torch.cat(column), trainer)
         _assert_the_trainers_values(torch.cat(row, dim=1), trainer)

@@ -101,7 +101,7 @@ def test_expert_placements_match_vllms_own_loader(
                     projections[key].shape[1],
                 )
                 target = TargetUpdate("experts." + key, 0, placement.in_features, factors[key])
-                merge_into_experts_(param, placement, target, projections[key], 1)
+                merge_into_experts_(param, placement, target, projections[key])
             torch.testing.assert_close(w13, expected_w13, rtol=0, atol=1e-12)
             torch.testing.assert_close(w2, expected_w2, rtol=0, atol=1e-12)
 
@@ -211,24 +211,28 @@ def test_a_whole_experts_matrix_merges_as_the_trainer_merged_it(rounding):
     trainer = torch.randn(experts, 2 * intermediate, hidden, generator=generator).to(torch.bfloat16)
     factor = torch.randn(experts * 2 * intermediate, rank, generator=generator) * 1e-2
     projection = torch.randn(rank, hidden, generator=generator)
-    target = TargetUpdate("experts.gate_up_proj", 12345, hidden, factor, rounding)
+    target = TargetUpdate(
+        "experts.gate_up_proj", 12345, hidden, factor, rounding, 99 if rounding == "stochastic" else None
+    )
     compensation = (lambda t: torch.zeros_like(t)) if rounding == "exact" else (lambda t: None)
     flat = trainer.view(-1, hidden)
     engine = trainer.clone()
-    merge_like_trainer_(flat, target, projection, 7, compensation(flat))
+    merge_like_trainer_(flat, target, projection, compensation(flat))
     local = {e: e for e in range(experts)}
     whole = gate_up_placement("experts", local, experts, intermediate, hidden, intermediate, 0, 1)
-    merge_into_experts_(engine, whole, target, projection, 7, compensation(engine))
+    merge_into_experts_(engine, whole, target, projection, compensation(engine))
     assert torch.equal(engine, trainer)
     # Two tensor-parallel ranks, each its gate and up halves, take update 8.
     exact = (engine.double().view(-1, hidden) - factor.double() @ projection.double()).view_as(engine)
-    merge_like_trainer_(flat, target, projection, 8, None if rounding != "exact" else torch.zeros_like(flat))
+    if rounding == "stochastic":  # update 8 draws other noise
+        target = dataclasses.replace(target, rounding_seed=100)
+    merge_like_trainer_(flat, target, projection, None if rounding != "exact" else torch.zeros_like(flat))
     half = intermediate // 2
     for tp_rank in (0, 1):
         placement = gate_up_placement("experts", local, experts, intermediate, hidden, half, tp_rank, 2)
         rows = [h * intermediate + tp_rank * half + i for h in (0, 1) for i in range(half)]  # gate, then up
         shard = engine[:, rows].clone()
-        merge_into_experts_(shard, placement, target, projection, 8, compensation(shard))
+        merge_into_experts_(shard, placement, target, projection, compensation(shard))
         if rounding != "exact":
             assert torch.equal(shard, trainer[:, rows])
             continue
@@ -287,9 +291,9 @@ def test_bf16_tensor_parallel_expert_copies_follow_200_real_updates_of_fp32_mast
                 continue
             projection = projection_of(SimpleNamespace(rank=target.rank, projection=optimizer.projection), target)
             for params, placements, compensation, nearest in ranks:
-                merge_into_experts_(params[key], placements[key], target, projection, update.index, compensation[key])
-                nearest_target = dataclasses.replace(target, rounding="nearest")
-                merge_into_experts_(nearest[key], placements[key], nearest_target, projection, update.index)
+                merge_into_experts_(params[key], placements[key], target, projection, compensation[key])
+                nearest_target = dataclasses.replace(target, rounding="nearest", rounding_seed=None)
+                merge_into_experts_(nearest[key], placements[key], nearest_target, projection)
 
     optimizer.register_merge_hook(follow)
     batch = fixed_batch(batch=4, seq=12)

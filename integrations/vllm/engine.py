@@ -500,7 +500,6 @@ class EngineUpdater:
                     staged[target.name].view(placement.out_features, placement.in_features),  # experts: E·d × k
                     target,
                     projection(target),
-                    update.index,
                     staged_compensation.get(target.name),
                 )
         self._reload_with_groups(staged)
@@ -518,13 +517,12 @@ class EngineUpdater:
                 projection = projections[rows.device](target)
                 compensation = state["compensation"].get(target.name)
                 if isinstance(placement, ExpertsPlacement):
-                    merge_into_experts_(rows, placement, target, projection, update.index, compensation)
+                    merge_into_experts_(rows, placement, target, projection, compensation)
                     continue
                 merge_like_trainer_(
                     rows,
                     target,
                     projection,
-                    update.index,
                     compensation,
                     placement.factor_rows,
                     placement.projection_cols,

@@ -143,7 +143,6 @@ def merge_into_experts_(
     placement: ExpertsPlacement,
     target: TargetUpdate,
     projection: torch.Tensor,
-    update_index: int,
     compensation: torch.Tensor | None = None,
 ) -> None:
     """One target update applied in place to a rank's stacked experts parameter (``w13_weight`` /
@@ -158,21 +157,20 @@ def merge_into_experts_(
     rows = _as_whole_matrix(param, placement)
     if rows is not None:
         whole_compensation = None if compensation is None else compensation.view_as(rows)
-        merge_like_trainer_(rows, target, projection, update_index, whole_compensation)
+        merge_like_trainer_(rows, target, projection, whole_compensation)
         return
     wheres = [(block.expert, block.param_rows, block.param_cols) for block in placement.blocks]
     if target.rounding == "stochastic":  # one pass over the trainer's noise for every block
         parts = [
             (param[where], block.factor_rows, block.projection_cols) for where, block in zip(wheres, placement.blocks)
         ]
-        merge_blocks_like_trainer_(parts, target, projection, update_index)
+        merge_blocks_like_trainer_(parts, target, projection)
         return
     for where, block in zip(wheres, placement.blocks):
         merge_like_trainer_(
             param[where],
             target,
             projection,
-            update_index,
             None if compensation is None else compensation[where],
             block.factor_rows,
             block.projection_cols,
