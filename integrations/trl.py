@@ -28,6 +28,7 @@ Against a server with TRL's ``nccl`` backend nothing changes and TRL's full sync
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import math
@@ -198,6 +199,9 @@ def attach_logra(
         warnings.warn("attach_logra: the model is already patched; target_modules is ignored", stacklevel=2)
     optimizer_kwargs.setdefault("temperature", float(getattr(trainer, "temperature", 1.0) or 1.0))
 
+    # Trainer keeps the config it was given as its args: another trainer built from the same config
+    # (a baseline beside this one) must keep its clipping and schedule.
+    trainer.args = copy.copy(trainer.args)
     if trainer.args.max_grad_norm:
         warnings.warn(
             f"attach_logra: max_grad_norm={trainer.args.max_grad_norm} disabled: LoGRA targets have no dense "
@@ -470,12 +474,25 @@ def _feed_mismatch_from_batches(trainer: Trainer, callback: LoGRACallback) -> No
     the mismatch estimate needs. They are collected per micro-batch and fed once per update."""
     compute_loss = trainer.compute_loss
 
+    warned = []
+
     def compute_loss_recording_mismatch(model, inputs, *args, **kwargs):
         if trainer.model.training and isinstance(inputs, dict):
             rollout, current = inputs.get("sampling_per_token_logps"), inputs.get("old_per_token_logps")
             mask = inputs.get("completion_mask")
             if rollout is not None and current is not None and mask is not None:
                 callback.mismatch_samples.append((rollout.detach(), current.detach(), mismatch_mask(trainer, inputs)))
+            elif rollout is not None and current is None and not warned:
+                warned.append(True)
+                warnings.warn(
+                    "attach_logra: the batches carry the rollout engine's log-probs but not the trainer's "
+                    "(old_per_token_logps), which TRL computes only with vllm_importance_sampling_correction=True "
+                    "or when a generation is reused (num_iterations > 1, steps_per_generation > "
+                    "gradient_accumulation_steps): the rollout/trainer mismatch κ is not estimated and stays 0, "
+                    "so the KL budget is not lowered for it",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         return compute_loss(model, inputs, *args, **kwargs)
 
     trainer.compute_loss = compute_loss_recording_mismatch
@@ -506,7 +523,8 @@ def _add_stats_to_logs(trainer: Trainer, callback: LoGRACallback) -> None:
 
     def log_with_logra_stats(logs: dict[str, float], *args, **kwargs):
         if callback.pending and "loss" in logs:  # training logs only, not evaluation or the summary
-            logs = {**logs, **callback.pop_logs()}
+            # The norm of .grad, which LoGRA's targets do not have: 0, or the non-targets' alone.
+            logs = {**{k: v for k, v in logs.items() if k != "grad_norm"}, **callback.pop_logs()}
         return log(logs, *args, **kwargs)
 
     trainer.log = log_with_logra_stats

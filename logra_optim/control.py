@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import math
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .caller import warn
 from . import distributed as dp
 
 from .kl import budget_at, effective_budget, floored_kl, mismatch_sample, mismatch_terms, retry_alpha, step_scale
@@ -256,13 +256,12 @@ class KLController:
         low = {t.probe_compute_dtype for t in targets} & {torch.bfloat16, torch.float16}
         if low and not self._stored_low_precision:
             self._warned_precision = True
-            warnings.warn(
+            warn(
                 f"LoGRA: the KL probe's forward computed in {sorted(map(str, low))} although the target weights are "
                 "stored in higher precision (e.g. FSDP2 MixedPrecisionPolicy(param_dtype=bf16)): the finite-difference "
                 "probe and the realised-KL check compare logits whose rounding is of the size of a small step's "
                 "change. Prefer probe='jvp' without realised_kl_check, or compute in fp32",
                 RuntimeWarning,
-                stacklevel=8,  # user → torch's step wrapper → no_grad → step → _update → _apply → choose → here
             )
 
     def check_realised(self, choice: StepChoice, apply: Callable[[float], None], undo: Callable[[], None]) -> float:
@@ -309,11 +308,10 @@ class KLController:
             apply(alpha)
             stats["realised_kl"] = realised
         elif realised > ceiling:
-            warnings.warn(
+            warn(
                 f"LoGRA: realised KL {realised:.3g} exceeds the budget {choice.budget:.3g} after "
                 f"{options.realised_kl_retries} retries",
                 RuntimeWarning,
-                stacklevel=7,  # user → torch's step wrapper → no_grad → step → _update → _apply → here
             )
         stats["alpha_after_check"] = alpha
         stats["predicted_step_kl"] = alpha**2 * stats["predicted_kl"]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import math
 import time
-import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -25,6 +24,7 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
+from .caller import warn
 from . import distributed as dp
 from .control import KLController, UpdateSkipped
 from .options import (
@@ -32,6 +32,7 @@ from .options import (
     StepOptions,
     check_non_target_optimizer,
     check_targets,
+    refuse_fp16_storage,
     direction_option,
     param_group_defaults,
     upgrade_param_group,
@@ -322,7 +323,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         for target, sketch in zip(targets, self._bank.views):
             target.state.sketch = sketch
             target.state.owner = weakref.ref(self)
-            target.state.sketched_in_16_bit = False
+            target.state.sketched_in_16_bit = target.state.sketched_in_fp16 = False
             target.state.forwarded = target.state.reached = False
         # Raised for good once 16-bit products reach the sketches: the first moment keeps their noise.
         self.polar_floor = POLAR_FLOOR
@@ -455,7 +456,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
     def _clear_sketches(self) -> None:
         self._bank.zero_()
         for target in self._targets:
-            target.state.sketched_in_16_bit = False
+            target.state.sketched_in_16_bit = target.state.sketched_in_fp16 = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the sketches (and the non-target optimizer's gradients)."""
@@ -478,6 +479,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         """
         self._refuse_unpatched()
         self._refuse_loss_scaling()
+        self._refuse_fp16()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -633,6 +635,21 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             "with bf16 autocast (Trainer bf16=True) and fp32 master weights, which need no loss scaling"
         )
 
+    def _refuse_fp16(self) -> None:
+        """fp16 is refused where it shows: a target stored in fp16 since this optimizer was built
+        (``model.half()``), and sketches of fp16 gradients (``torch.autocast(dtype=torch.float16)``
+        without a scaler), which underflow at RL loss sizes with nothing to detect it."""
+        for target in self._targets:
+            refuse_fp16_storage(target)
+        fp16 = [t.name for t in self._targets if t.state.sketched_in_fp16]
+        if fp16:
+            raise RuntimeError(
+                f"LoGRAOptimizer: the sketches of {len(fp16)} targets (e.g. {fp16[0]!r}) were accumulated from "
+                "float16 gradients (torch.autocast(dtype=torch.float16)). Without loss scaling, which cannot reach "
+                "the sketches, small gradients underflow and the update is wrong with no sign of it. Train with "
+                "torch.autocast(dtype=torch.bfloat16) and fp32 master weights; zero_grad() drops these sketches"
+            )
+
     def _plan(self, sharded_sq: list[float] | None, polar_floor: float) -> StepPlan:
         """Directions and step sizes; mutates nothing. ``sharded_sq``: ``‖W_i‖²`` of each sharded
         weight in target order, summed over the ranks (distributed runs only)."""
@@ -743,12 +760,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             return "exact"
         return "stochastic" if dtype == torch.bfloat16 and self.options.stochastic_rounding else "nearest"
 
-    # Warnings raised during step() point at the caller: through torch's step wrapper, the no_grad
-    # decorator and step() itself.
     def _skip(self, why: str, reason: str) -> None:
-        warnings.warn(
-            f"LoGRA: {why}; update skipped, weights and optimizer state unchanged", RuntimeWarning, stacklevel=6
-        )
+        warn(f"LoGRA: {why}; update skipped, weights and optimizer state unchanged", RuntimeWarning)
         self.zero_grad()
         self.stats = {"skipped": reason, **self._counters()}
 
@@ -763,11 +776,10 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         if self._warned_eval_mode or any(t.module.training for t in self._targets) or not self._bank.all_zero():
             return
         self._warned_eval_mode = True
-        warnings.warn(
+        warn(
             "LoGRA: step() with empty sketches while the model is in eval mode: patched layers accumulate "
             "sketches only in train mode with grad enabled; call model.train() before the training forward",
             RuntimeWarning,
-            stacklevel=6,  # user → torch's step wrapper → no_grad → step → _update → here
         )
 
     def _warn_about_unreached_targets(self) -> None:
@@ -786,13 +798,12 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         unreached = [t.name for t, state in zip(self._targets, states) if state.forwarded and not state.reached]
         if unreached:
             names = ", ".join(unreached[:6]) + (" …" if len(unreached) > 6 else "")
-            warnings.warn(
+            warn(
                 f"LoGRA: {len(unreached)} of {len(self._targets)} targets ran a training forward but received no "
                 f"gradient ({names}), so their weights do not change. With reentrant gradient checkpointing, the "
                 "checkpointed blocks' inputs must require grad (use use_reentrant=False, or transformers' "
                 "gradient_checkpointing_enable); otherwise the loss does not depend on them",
                 RuntimeWarning,
-                stacklevel=6,  # user → torch's step wrapper → no_grad → step → _update → here
             )
 
     # ----------------------------------------------------------------------------------------------

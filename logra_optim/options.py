@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import math
 import numbers
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .caller import warn
 from . import distributed as dp
 from .probe import LogitsFn
 from .projection import PROJECTIONS
@@ -254,20 +254,32 @@ def check_targets(targets: Sequence[Target], step: StepOptions, kl: KLOptions) -
             )
         if target.weight.requires_grad:
             raise ValueError(f"target {target.name!r} has requires_grad=True; LoGRA targets must stay frozen")
-        if target.weight.dtype == torch.float16:
-            raise ValueError(
-                f"target {target.name!r} is stored in float16, which LoGRA does not train: updates below half an "
-                "ulp are lost, and fp16 training needs loss scaling, which cannot reach LoGRA's sketches (they are "
-                "not .grad). Keep fp32 master weights with bf16 autocast, or store the targets in bf16 (merged with "
-                "stochastic rounding)"
-            )
+        refuse_fp16_storage(target)
     low_precision = any(t.weight.dtype == torch.bfloat16 for t in targets)
+    if low_precision and not step.stochastic_rounding:
+        warn(
+            "bf16 target weights with stochastic_rounding=False: each merge rounds to nearest, and an update "
+            "below half a bf16 ulp (about 2e-3 of a weight; RL steps move weights by about 6e-5) is lost, so most "
+            "weights will not move. Keep stochastic_rounding=True, or fp32 master weights",
+            RuntimeWarning,
+        )
     if kl.enabled and low_precision and (kl.probe == "finite_difference" or kl.realised_kl_check):
-        warnings.warn(
+        warn(
             "16-bit target weights: the finite-difference probe and the realised-KL check compare logits "
             "whose rounding error is of the size of a small step's change; prefer probe='jvp' and fp32 "
-            "master weights",
-            stacklevel=3,
+            "master weights"
+        )
+
+
+def refuse_fp16_storage(target: Target) -> None:
+    """A target stored in float16 is refused, at construction and at every step (``model.half()``
+    after the optimizer was built)."""
+    if target.weight.dtype == torch.float16:
+        raise ValueError(
+            f"target {target.name!r} is stored in float16, which LoGRA does not train: updates below half an "
+            "ulp are lost, and fp16 training needs loss scaling, which cannot reach LoGRA's sketches (they are "
+            "not .grad). Keep fp32 master weights with bf16 autocast, or store the targets in bf16 (merged with "
+            "stochastic rounding)"
         )
 
 
@@ -281,10 +293,9 @@ def direction_option(direction: str | None, optimizer: str | None) -> str:
         raise ValueError(
             f"optimizer must be one of {DIRECTIONS}, got {optimizer!r} (and is deprecated: use direction=)"
         )
-    warnings.warn(
+    warn(
         "LoGRAOptimizer(optimizer=...) is deprecated; use direction=... (same values: 'rowadam', 'orthogonal', 'sgd')",
         DeprecationWarning,
-        stacklevel=3,
     )
     return optimizer
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import re
-import warnings
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -22,7 +21,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .experts import expert_weight_names, holds_experts, probing_linear, routed_experts, sketching_linear
+from .caller import warn
+from .experts import (
+    WEIGHT_DTYPES,
+    expert_weight_names,
+    holds_experts,
+    probing_linear,
+    routed_experts,
+    sketching_linear,
+)
 from .probe import output_embedding, perturbed_linear
 from .projection import canonical_name
 from .sketch import SharedProjection, sketched_linear
@@ -79,6 +86,7 @@ class TargetState:
     # Set by a backward whose sketch product was bf16/fp16 (autocast, bf16 weights, FSDP2's bf16
     # compute) since the sketch was last cleared; the optimizer then raises its orthogonal floor.
     sketched_in_16_bit: bool = False
+    sketched_in_fp16: bool = False  # fp16 in particular, which the optimizer refuses
     # Set by a train-mode forward (of at least one row) and by a backward into the sketch, while
     # bound: a target forwarded but never reached gets no gradient (see the optimizer's first update).
     forwarded: bool = False
@@ -203,13 +211,25 @@ def find_target_modules(
             raise ValueError(f"target_modules must be None, a string or a list of names, got {target_modules!r}")
     head = output_embedding(model)
     all_linear = target_modules == "all-linear"
-    found, linears = [], []
+    # nn.MultiheadAttention reads its out_proj's weight without calling its forward: unsketchable.
+    unsketchable = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
+    found, linears, skipped = [], [], []
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
             linears.append(name)
             if module is head or name.rsplit(".", 1)[-1] == "lm_head":
                 continue
-            if all_linear or _matches(name, target_modules):
+            if not (all_linear or _matches(name, target_modules)):
+                continue
+            if id(module) in unsketchable:
+                skipped.append(name)
+            elif type(module).forward is not nn.Linear.forward:
+                raise ValueError(
+                    f"target module {name!r} is a {type(module).__name__}, an nn.Linear subclass with a forward of "
+                    "its own, which LoGRA's sketching forward would replace (changing its output); choose "
+                    "target_modules without it"
+                )
+            else:
                 found.append((name, module))
         elif (
             _is_gpt2_conv1d(module) and not all_linear and target_modules is not None and _matches(name, target_modules)
@@ -218,6 +238,13 @@ def find_target_modules(
                 f"target module {name!r} is a GPT-2 Conv1D (weight stored in×out); LoGRA patches "
                 "torch.nn.Linear only. Convert the model to nn.Linear layers or choose other targets."
             )
+    if skipped:
+        warn(
+            f"patch_model: {', '.join(skipped[:3])}{' …' if len(skipped) > 3 else ''} left out of LoGRA's targets: "
+            "nn.MultiheadAttention uses its out_proj weight without calling the layer, so no sketch could see its "
+            "gradient. It stays a non-target (frozen under freeze_non_targets, or trained by non_target_optimizer)",
+            RuntimeWarning,
+        )
     if not found and required:
         seen = ", ".join(linears[:20]) + (" …" if len(linears) > 20 else "") or "none"
         conv1d = any(_is_gpt2_conv1d(m) for m in model.modules())
@@ -299,7 +326,8 @@ def patch_model(
     if hasattr(model, "peft_config"):
         raise ValueError(
             "patch_model got a PEFT-wrapped model; LoGRA trains the base weights directly. "
-            "Pass the base model (e.g. model.get_base_model() or merge_and_unload())."
+            "Merge or drop the adapters first (model.merge_and_unload() or model.unload()): the base model of a "
+            "PeftModel still holds the injected LoRA layers."
         )
     expert_modules = find_experts_modules(model) if experts else []
     # Stacked experts are targets whatever target_modules says. They may be the only ones: with the
@@ -313,13 +341,20 @@ def patch_model(
         )
     required = not expert_modules or target_modules is not None
     targets = [] if experts_only else find_target_modules(model, target_modules, required=required)
+    owners = {id(getattr(module, attribute)): name for name, module, attribute in patched_targets(model)}
     for name, module in targets:  # validate everything before changing anything
         if hasattr(module, "_logra"):
             continue
-        if not module.weight.is_floating_point():
+        if module.weight.dtype not in WEIGHT_DTYPES:
             raise ValueError(
                 f"target module {name!r} ({type(module).__name__}) stores a {module.weight.dtype} weight: quantized "
                 "linears cannot be patched; load the model in fp32/bf16 or choose other targets"
+            )
+        owner = owners.setdefault(id(module.weight), name)
+        if owner != name:
+            raise ValueError(
+                f"target modules {owner!r} and {name!r} share one weight tensor: LoGRA would merge two updates into "
+                "it and could not restore its requires_grad; choose target_modules with one of them"
             )
         if "forward" in module.__dict__:
             raise ValueError(
@@ -345,8 +380,10 @@ def patch_model(
     first_patch = record is None
     if first_patch:
         record = PatchRecord()
-        embeddings = getattr(model, "get_input_embeddings", None)
-        embedding = embeddings() if callable(embeddings) else None
+        try:
+            embedding = model.get_input_embeddings()
+        except (AttributeError, NotImplementedError):  # not a transformers model, or one without
+            embedding = None
         if isinstance(embedding, nn.Module):
             record.hooks.append(embedding.register_forward_hook(_InputsRequireGradUnderCheckpointing(model)))
         model._logra_patch = record
@@ -396,12 +433,11 @@ def _warn_about_frozen_experts(model: nn.Module, frozen: dict[str, bool]) -> Non
     ]
     if experts:
         name, shape = experts[0]
-        warnings.warn(
+        warn(
             f"patch_model froze {len(experts)} stacked expert weights left out of LoGRA's targets (mixture-of-"
             f"experts, experts=False, e.g. {name!r} {list(shape)}): they will not be trained. To train them with "
             "LoGRA, patch with experts=True (the default); to train them densely, set their requires_grad back to "
-            "True and pass non_target_optimizer=... to LoGRAOptimizer",
-            stacklevel=3,
+            "True and pass non_target_optimizer=... to LoGRAOptimizer"
         )
 
 
@@ -434,7 +470,9 @@ def target_state(module: nn.Module, attribute: str = "weight") -> TargetState:
 
 
 def unpatch_model(model: nn.Module) -> nn.Module:
-    """Undo :func:`patch_model`: original forwards, ``requires_grad`` flags and no LoGRA state."""
+    """Undo :func:`patch_model`: original forwards, ``requires_grad`` flags and no LoGRA state on the
+    modules. An optimizer built on the model keeps its forward pre-hook on it until the optimizer is
+    released; unbound, the hook records nothing."""
     for _, module in patched_modules(model):
         target: TargetState = module._logra
         module.weight.requires_grad_(target.weight_requires_grad)

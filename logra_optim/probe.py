@@ -13,7 +13,6 @@ import contextlib
 import functools
 import inspect
 import types
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .caller import warn
 from .attention import AttentionTangentMode
 from .kl import exact_kl_terms, fisher_kl_terms, sample_words, sampled_fisher_kl_terms
 from .sketch import SharedProjection
@@ -198,6 +198,23 @@ def positions_depend_on_length(model: nn.Module) -> bool:
     return any(named(kind) for kind in kinds)
 
 
+# Tensor arguments of a training forward that the probe replays (ids, mask, positions as checked by
+# _unreplayable) or that do not change the logits; any other (pixel_values, image_grid_thw,
+# token_type_ids, …) would be missing from the probe's forward.
+REPLAYED = frozenset(
+    {
+        "input_ids",
+        "attention_mask",
+        "position_ids",
+        "labels",
+        "completion_mask",
+        "cache_position",
+        "logits_to_keep",
+        "num_items_in_batch",
+    }
+)
+
+
 class ContextRecorder:
     """Keeps ``samples`` sequences (spread over the batch; ``None``: all) of a model's latest training forward.
 
@@ -206,8 +223,9 @@ class ContextRecorder:
     says whether the optimizer is still bound to the model (not after
     :func:`~logra_optim.unpatch_model`); while it is not, nothing is recorded. A batch the probe
     could not run as the forward did (a 4-D attention mask, positions other than ``0, 1, …`` as in
-    packed sequences) is not recorded: its contexts are kept with no probe position, with a warning
-    once, so that no step probes an older batch instead.
+    packed sequences, other tensor inputs such as a vision-language model's images) is not
+    recorded: its contexts are kept with no probe position, with a warning once, so that no step
+    probes an older batch instead.
     """
 
     def __init__(
@@ -231,9 +249,14 @@ class ContextRecorder:
             self.latest = None
             self._warn("no integer input_ids (inputs_embeds?)")
             return
+        extra = sorted(
+            key for key, value in (named or {}).items() if isinstance(value, torch.Tensor) and key not in REPLAYED
+        )
         unreplayable = (
             "positional arguments behind a wrapper's *args, which cannot be read by name"
             if named is None
+            else f"inputs the probe does not replay ({', '.join(extra)}; e.g. images)"
+            if extra
             else _unreplayable(
                 input_ids, named.get("attention_mask"), named.get("position_ids"), self._relative_positions
             )
@@ -259,11 +282,10 @@ class ContextRecorder:
         if self._warned:
             return
         self._warned = True
-        warnings.warn(
+        warn(
             f"KL probe contexts: a training forward with {unreplayable} is not recorded, since the probe runs "
             "input_ids with a 2-D attention_mask and the default positions; give the contexts with "
-            "optimizer.set_probe_contexts(input_ids, attention_mask, probe_mask)",
-            stacklevel=7,  # user → Module.__call__ → _call_impl → its inner() → the hook → record → here
+            "optimizer.set_probe_contexts(input_ids, attention_mask, probe_mask)"
         )
 
     def remove(self) -> None:

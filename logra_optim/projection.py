@@ -152,6 +152,10 @@ def _gaussian(seed: int, start: int, count: int, scale: float, device) -> torch.
     return values.reshape(-1)[:count].to(torch.float32)
 
 
+# A compiled caller (torch.compile of a patched model) runs this eagerly: inductor cannot lower its
+# integer arithmetic, and a fused kernel could round Box–Muller's fp32 otherwise than the eager
+# generation every other party (ranks, rollout engine) runs.
+@torch.compiler.disable
 def make_projection(
     seed: int,
     rank: int,

@@ -123,6 +123,7 @@ class SketchedLinear(torch.autograd.Function):
             ctx.sketch.add_(g.t() @ xp)
             if ctx.state is not None and g.dtype in (torch.bfloat16, torch.float16):
                 ctx.state.sketched_in_16_bit = True  # its rounding noise: see polar.POLAR_FLOOR_16BIT
+                ctx.state.sketched_in_fp16 |= g.dtype == torch.float16
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
             grad_x = (grad_output @ weight.to(grad_output.dtype)).to(ctx.x_dtype)

@@ -462,6 +462,50 @@ def test_fp16_target_weights_are_refused():
     model = patch_model(OneLinear(8, 8).half(), target_modules=["proj"])
     with pytest.raises(ValueError, match=r"'proj' is stored in float16.*bf16"):
         LoGRAOptimizer(model, rank=2)
+    # Also when the model becomes fp16 after the optimizer was built: refused at the step, untouched.
+    model = patch_model(OneLinear(8, 8), target_modules=["proj"])
+    opt = LoGRAOptimizer(model, rank=2, update_ratio=1e-3)
+    model(torch.randn(3, 8)).sum().backward()
+    model.half()
+    before = model.proj.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"'proj' is stored in float16"):
+        opt.step()
+    assert torch.equal(model.proj.weight, before) and opt.update_index == 0
+
+
+def test_sketches_of_fp16_gradients_are_refused_with_the_weights_untouched():
+    """fp16 autocast without a scaler: gradients of a mean over many tokens underflow in fp16 and the
+    sketch is wrong with no sign of it, so the step refuses it (bf16 autocast is what LoGRA takes)."""
+    model, opt = two_linear(rank=6, kl_budget=None, update_ratio=6e-5)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.autocast("cpu", dtype=torch.float16):
+        model(torch.randn(4, 12)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"float16 gradients .*torch.autocast\(dtype=torch.bfloat16\)"):
+        opt.step()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters()) and opt.update_index == 0
+    opt.zero_grad()  # drops the fp16 sketches: bf16 autocast then steps
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randn(4, 12)).sum().backward()
+    opt.step()
+    assert opt.update_index == 1
+
+
+def test_bf16_targets_rounded_to_nearest_are_warned_about():
+    model = patch_model(OneLinear(8, 8).to(torch.bfloat16), target_modules=["proj"])
+    with pytest.warns(RuntimeWarning, match="stochastic_rounding=False.*most weights will not move") as caught:
+        LoGRAOptimizer(model, rank=2, stochastic_rounding=False)
+    assert caught[0].filename == __file__
+
+
+def test_warnings_during_step_name_the_callers_line_through_an_lr_scheduler():
+    """An LR scheduler wraps ``step`` in one more frame (accelerate and TRL add theirs): the warning
+    still names the line that called ``step()``."""
+    model, opt = two_linear(rank=6, kl_budget=None, update_ratio=1e-3)
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    (model(torch.randn(2, 12)) * float("nan")).sum().backward()
+    with pytest.warns(RuntimeWarning, match="non-finite") as caught:
+        opt.step()
+    assert caught[0].filename == __file__
 
 
 # --------------------------------------------------------------------------------------------------

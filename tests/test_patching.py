@@ -165,6 +165,67 @@ def test_quantized_and_hooked_linears_are_refused_without_changing_the_model():
     assert {n: p.requires_grad for n, p in hooked.named_parameters()} == flags
 
 
+def test_linears_whose_weight_or_forward_logra_cannot_take_over_are_refused_or_left_out():
+    """fp8 weights are quantized linears too; an nn.Linear subclass with a forward of its own would
+    have it replaced (its output changed); two targets sharing one weight would be merged twice; and
+    nn.MultiheadAttention reads its out_proj's weight without calling it, so that one is left out,
+    with a warning, instead of being frozen where no sketch sees its gradient."""
+    fp8 = OneLinear(6, 5)
+    fp8.proj.weight = nn.Parameter(fp8.proj.weight.detach().to(torch.float8_e4m3fn), requires_grad=False)
+    with pytest.raises(ValueError, match=r"'proj' .* torch.float8_e4m3fn weight: quantized"):
+        patch_model(fp8, target_modules=["proj"])
+
+    class Halved(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 0.5
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    model.append(Halved(4, 4))
+    with pytest.raises(ValueError, match=r"target module '1' is a Halved, an nn.Linear subclass with a forward"):
+        patch_model(model, target_modules="all-linear")
+    assert not hasattr(model, "_logra_patch") and all(p.requires_grad for p in model.parameters())
+
+    tied = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    tied[2].weight = tied[0].weight
+    with pytest.raises(ValueError, match=r"target modules '0' and '2' share one weight tensor"):
+        patch_model(tied, target_modules="all-linear")
+    assert tied[0].weight.requires_grad
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+            self.fc1 = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.fc1(self.attn(x, x, x)[0])
+
+    model = Attention()
+    with pytest.warns(RuntimeWarning, match=r"attn.out_proj left out of LoGRA's targets") as caught:
+        patch_model(model)
+    assert caught[0].filename == __file__
+    assert [name for name, _ in patched_modules(model)] == ["fc1"]
+
+
+def test_a_transformers_model_without_input_embeddings_is_patched():
+    """``get_input_embeddings`` raises ``NotImplementedError`` in a transformers model that has none
+    (custom and remote-code models): nothing to hook for checkpointing there."""
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    class Regressor(PreTrainedModel):
+        config_class = PretrainedConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.up_proj = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.up_proj(x)
+
+    model = patch_model(Regressor(PretrainedConfig()))
+    assert [name for name, _ in patched_modules(model)] == ["up_proj"]
+
+
 # --------------------------------------------------------------------------------------------------
 # Invisible to checkpoints and loaders
 

@@ -248,6 +248,38 @@ def test_a_mask_per_layer_type_and_absolute_positions_off_zero_are_not_replayed(
         opt.kl_control.contexts()
 
 
+def test_a_vision_language_forward_with_images_is_not_replayed_without_them():
+    """A vision-language training forward (TRL's GRPO on image prompts) passes ``pixel_values`` and
+    the image grid: the probe's forward of ``input_ids`` alone would measure the text without the
+    images and miss the vision tower's targets, so it is kept with no probe position, with a warning."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    text = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2)
+    config = Qwen2VLConfig(
+        text_config=dict(**text, num_key_value_heads=1, rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]}),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14),
+        image_token_id=100,
+        video_token_id=101,
+        vision_start_token_id=102,
+        vision_end_token_id=103,
+    )
+    model = patch_model(Qwen2VLForConditionalGeneration(config)).train()
+    opt = LoGRAOptimizer(model, rank=4, kl_budget=1e-3)
+    ids = torch.tensor([[1, 2, 102, 100, 103, 5, 6, 7, 8, 9]] * 2)
+    model(input_ids=ids, attention_mask=torch.ones_like(ids))  # text alone: recorded
+    assert opt.kl_control.contexts().tokens > 0
+    images = dict(
+        pixel_values=torch.randn(8, 3 * 2 * 14 * 14),
+        image_grid_thw=torch.tensor([[1, 2, 2]] * 2),
+        mm_token_type_ids=(ids == 100).long(),
+    )
+    with pytest.warns(UserWarning, match=r"inputs the probe does not replay \(image_grid_thw, mm_token_type_ids"):
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, **images).loss.backward()
+    with pytest.raises(RuntimeError, match="no probe contexts"):
+        opt.kl_control.contexts()
+
+
 def test_the_probe_switches_fused_attention_in_each_sub_config_and_restores_each():
     """A multimodal config may name a kernel per tower. Each (sub-)config that names one without
     forward-AD rules runs SDPA during the probe, and every config gets its own setting back

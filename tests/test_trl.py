@@ -403,7 +403,34 @@ def test_mismatch_from_grpo_batches_reaches_the_step_control(tmp_path):
         assert entry["logra/mismatch"] == pytest.approx(kappa, rel=1e-4)
         assert entry["logra/kl_budget_effective"] == pytest.approx(max(budget - kappa, budget / 2), rel=1e-4)
         assert entry["logra/predicted_step_kl"] == pytest.approx(entry["logra/kl_budget_effective"], rel=1e-6)
+        assert "grad_norm" not in entry  # the norm of .grad, which the targets do not have
     assert logra_optimizer(trainer).mismatch == pytest.approx(SHIFT * (1 - (1 - w) ** steps), rel=1e-4)
+
+
+class GRPOWithRolloutLogpsAlone(GRPOTrainer):
+    """GRPO with vLLM as TRL runs it with ``vllm_importance_sampling_correction=False`` and one update
+    per generation: the batches carry the rollout log-probs but not ``old_per_token_logps``."""
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        assert output.get("old_per_token_logps") is None
+        output["sampling_per_token_logps"] = torch.zeros(output["completion_mask"].shape)
+        return output
+
+
+def test_rollout_logps_without_the_trainers_warn_that_the_mismatch_is_not_estimated(tmp_path):
+    args = setup.make_config("grpo", tmp_path, max_steps=1)
+    trainer = GRPOWithRolloutLogpsAlone(
+        model=setup.build_policy(),
+        reward_funcs=setup.allowed_fraction_reward,
+        args=args,
+        train_dataset=setup.prompt_dataset(),
+        processing_class=setup.build_tokenizer(),
+    )
+    quiet_attach(trainer)
+    with pytest.warns(RuntimeWarning, match="mismatch κ is not estimated and stays 0"):
+        trainer.train()
+    assert [entry["logra/mismatch"] for entry in trainer.state.log_history if "logra/mismatch" in entry] == [0.0]
 
 
 def test_callback_feeds_mismatch_samples_to_the_optimizer(tmp_path):
@@ -524,9 +551,11 @@ def test_attach_to_peft_wrapped_model(tmp_path):
 
 def test_max_grad_norm_warns_and_is_disabled(tmp_path):
     trainer = setup.build_trainer("grpo", setup.build_policy(), tmp_path, max_grad_norm=1.0)
+    config = trainer.args  # the user's config object, which a baseline trainer may share
     with pytest.warns(UserWarning, match="max_grad_norm=1.0 disabled"):
         attach_logra(trainer, **setup.LOGRA_KWARGS)
-    assert trainer.args.max_grad_norm == 0.0
+    assert trainer.args.max_grad_norm == 0.0 and trainer.args.lr_scheduler_type == "constant"
+    assert config.max_grad_norm == 1.0 and config.lr_scheduler_type == "linear"  # untouched
 
     trainer = setup.build_trainer("grpo", setup.build_policy(), tmp_path / "off", max_grad_norm=0.0)
     with warnings.catch_warnings():
