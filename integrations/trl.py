@@ -41,6 +41,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import SchedulerType
 
 from logra_optim import LoGRAOptimizer, patch_model, patched_targets
+from logra_optim.caller import warn
 from logra_optim.distributed import REPLICATED
 from logra_optim.integrations.vllm.plugin import BACKEND
 from logra_optim.integrations.vllm.trainer import START_SERVER, VLLMServer, server_backend
@@ -484,14 +485,13 @@ def _feed_mismatch_from_batches(trainer: Trainer, callback: LoGRACallback) -> No
                 callback.mismatch_samples.append((rollout.detach(), current.detach(), mismatch_mask(trainer, inputs)))
             elif rollout is not None and current is None and not warned:
                 warned.append(True)
-                warnings.warn(
+                warn(
                     "attach_logra: the batches carry the rollout engine's log-probs but not the trainer's "
                     "(old_per_token_logps), which TRL computes only with vllm_importance_sampling_correction=True "
-                    "or when a generation is reused (num_iterations > 1, steps_per_generation > "
-                    "gradient_accumulation_steps): the rollout/trainer mismatch κ is not estimated and stays 0, "
-                    "so the KL budget is not lowered for it",
+                    "or when gradient_accumulation_steps is not a multiple of steps_per_generation × num_iterations: "
+                    "the rollout/trainer mismatch κ is not estimated and stays 0, so the KL budget is not lowered "
+                    "for it",
                     RuntimeWarning,
-                    stacklevel=2,
                 )
         return compute_loss(model, inputs, *args, **kwargs)
 

@@ -20,6 +20,11 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
     """``warnings.warn(message, category)``, attributed to the first calling frame outside
     logra-optim and :data:`LIBRARIES`."""
     frame, stacklevel = sys._getframe(1), 2
-    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in LIBRARIES:
+    while frame is not None and _library(frame.f_globals.get("__name__", "")):
         frame, stacklevel = frame.f_back, stacklevel + 1
     warnings.warn(message, category, stacklevel=stacklevel)
+
+
+def _library(module: str) -> bool:
+    # logra-optim's command line (logra demo, bench) is a caller of the library like a user's script.
+    return module.partition(".")[0] in LIBRARIES and not module.startswith("logra_optim.cli")

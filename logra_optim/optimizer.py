@@ -479,11 +479,11 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         """
         self._refuse_unpatched()
         self._refuse_loss_scaling()
-        self._refuse_fp16()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._refuse_fp16()  # after the closure, which may have run the backward
         # Outside any autocast region the caller's step may sit in: the update's products (η's Gram
         # matrices, the merge) are float32 or float64 by design, never 16-bit casts of them.
         with outside_autocast(t.weight.device.type for t in self._targets):

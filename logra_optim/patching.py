@@ -213,6 +213,7 @@ def find_target_modules(
     all_linear = target_modules == "all-linear"
     # nn.MultiheadAttention reads its out_proj's weight without calling its forward: unsketchable.
     unsketchable = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
+    named = not all_linear and target_modules is not None  # the user's own selection
     found, linears, skipped = [], [], []
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
@@ -223,12 +224,14 @@ def find_target_modules(
                 continue
             if id(module) in unsketchable:
                 skipped.append(name)
-            elif type(module).forward is not nn.Linear.forward:
+            elif not _plain_linear(module) and named:
                 raise ValueError(
                     f"target module {name!r} is a {type(module).__name__}, an nn.Linear subclass with a forward of "
                     "its own, which LoGRA's sketching forward would replace (changing its output); choose "
                     "target_modules without it"
                 )
+            elif not _plain_linear(module):  # e.g. a router under "all-linear"
+                skipped.append(name)
             else:
                 found.append((name, module))
         elif (
@@ -241,8 +244,10 @@ def find_target_modules(
     if skipped:
         warn(
             f"patch_model: {', '.join(skipped[:3])}{' …' if len(skipped) > 3 else ''} left out of LoGRA's targets: "
-            "nn.MultiheadAttention uses its out_proj weight without calling the layer, so no sketch could see its "
-            "gradient. It stays a non-target (frozen under freeze_non_targets, or trained by non_target_optimizer)",
+            "an nn.MultiheadAttention's out_proj (used without calling the layer, so no sketch could see its "
+            "gradient) or an nn.Linear subclass with a forward of its own (e.g. a router), which the sketching "
+            "forward would replace. They stay non-targets (frozen under freeze_non_targets, or trained by "
+            "non_target_optimizer)",
             RuntimeWarning,
         )
     if not found and required:
@@ -254,6 +259,20 @@ def find_target_modules(
             f"Linear modules in the model: {seen} (the output embedding is never a target).{hint}"
         )
     return found
+
+
+# nn.Linear subclasses whose forward computes exactly F.linear(x, weight, bias).
+PLAIN_LINEAR_SUBCLASSES = frozenset({"FalconLinear"})
+
+
+def _plain_linear(module: nn.Linear) -> bool:
+    """Whether the sketching forward computes what ``module``'s own forward does. A quantized linear
+    counts (``patch_model`` refuses it by its dtype, with the clearer message)."""
+    return (
+        type(module).forward is nn.Linear.forward
+        or type(module).__name__ in PLAIN_LINEAR_SUBCLASSES
+        or module.weight.dtype not in WEIGHT_DTYPES
+    )
 
 
 class _InputsRequireGradUnderCheckpointing:

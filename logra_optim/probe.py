@@ -215,6 +215,15 @@ REPLAYED = frozenset(
 )
 
 
+def _holds_tensor(value) -> bool:
+    """A tensor, or a list, tuple or dict of them (images passed one tensor per image)."""
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list | tuple):
+        return any(isinstance(item, torch.Tensor) for item in value)
+    return isinstance(value, torch.Tensor)
+
+
 class ContextRecorder:
     """Keeps ``samples`` sequences (spread over the batch; ``None``: all) of a model's latest training forward.
 
@@ -250,7 +259,7 @@ class ContextRecorder:
             self._warn("no integer input_ids (inputs_embeds?)")
             return
         extra = sorted(
-            key for key, value in (named or {}).items() if isinstance(value, torch.Tensor) and key not in REPLAYED
+            key for key, value in (named or {}).items() if key not in REPLAYED and _holds_tensor(value)
         )
         unreplayable = (
             "positional arguments behind a wrapper's *args, which cannot be read by name"

@@ -152,10 +152,6 @@ def _gaussian(seed: int, start: int, count: int, scale: float, device) -> torch.
     return values.reshape(-1)[:count].to(torch.float32)
 
 
-# A compiled caller (torch.compile of a patched model) runs this eagerly: inductor cannot lower its
-# integer arithmetic, and a fused kernel could round Box–Muller's fp32 otherwise than the eager
-# generation every other party (ranks, rollout engine) runs.
-@torch.compiler.disable
 def make_projection(
     seed: int,
     rank: int,
@@ -167,7 +163,14 @@ def make_projection(
     """The projection ``A`` (``rank × in_features``) with ``E[AᵀA] = I``, generated on ``device``.
 
     ``"rademacher"``: entries ±1/√r with equal probability. ``"gaussian"``: N(0, 1/r) by Box–Muller.
-    The entries are computed in fp32 and then cast to ``dtype``, so ``dtype`` only casts."""
+    The entries are computed in fp32 and then cast to ``dtype``, so ``dtype`` only casts.
+
+    Traced by ``torch.compile`` (a compiled patched model), it runs eagerly: inductor cannot lower
+    its integer arithmetic, and a fused kernel could round Box–Muller's fp32 otherwise than the eager
+    generation every other party (ranks, rollout engine) runs. (Wrapped at trace time only:
+    ``torch.compiler.disable`` at import would import dynamo with the package.)"""
+    if torch.compiler.is_compiling():
+        return torch.compiler.disable(make_projection)(seed, rank, in_features, kind, device, dtype)
     if kind not in PROJECTIONS:
         raise ValueError(f"projection must be one of {PROJECTIONS}, got {kind!r}")
     draw = _rademacher if kind == "rademacher" else _gaussian

@@ -488,6 +488,18 @@ def test_sketches_of_fp16_gradients_are_refused_with_the_weights_untouched():
         model(torch.randn(4, 12)).sum().backward()
     opt.step()
     assert opt.update_index == 1
+    # A closure's backward is checked too: the step refuses what the closure sketched.
+    after = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def closure():
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(torch.randn(4, 12)).sum()
+        loss.backward()
+        return loss
+
+    with pytest.raises(RuntimeError, match="float16 gradients"):
+        opt.step(closure)
+    assert all(torch.equal(p, after[n]) for n, p in model.named_parameters()) and opt.update_index == 1
 
 
 def test_bf16_targets_rounded_to_nearest_are_warned_about():
@@ -495,6 +507,18 @@ def test_bf16_targets_rounded_to_nearest_are_warned_about():
     with pytest.warns(RuntimeWarning, match="stochastic_rounding=False.*most weights will not move") as caught:
         LoGRAOptimizer(model, rank=2, stochastic_rounding=False)
     assert caught[0].filename == __file__
+
+
+def test_warnings_from_the_command_line_name_its_line():
+    """``logra demo`` and ``logra bench`` call the library like a user's script: a warning names
+    their line, not the library's frames below it nor the runner above."""
+    from logra_optim.caller import warn
+
+    namespace = {"__name__": "logra_optim.cli.example", "warn": warn}
+    exec(compile("def run():\n    warn('from the CLI', RuntimeWarning)\n", "cli_example.py", "exec"), namespace)
+    with pytest.warns(RuntimeWarning, match="from the CLI") as caught:
+        namespace["run"]()
+    assert caught[0].filename == "cli_example.py"
 
 
 def test_warnings_during_step_name_the_callers_line_through_an_lr_scheduler():

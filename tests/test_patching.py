@@ -182,8 +182,21 @@ def test_linears_whose_weight_or_forward_logra_cannot_take_over_are_refused_or_l
     model = nn.Sequential(nn.Linear(4, 4))
     model.append(Halved(4, 4))
     with pytest.raises(ValueError, match=r"target module '1' is a Halved, an nn.Linear subclass with a forward"):
-        patch_model(model, target_modules="all-linear")
+        patch_model(model, target_modules=["0", "1"])  # named: refused
     assert not hasattr(model, "_logra_patch") and all(p.requires_grad for p in model.parameters())
+    with pytest.warns(RuntimeWarning, match=r"1 left out of LoGRA's targets.*subclass with a forward of its own"):
+        patch_model(model, target_modules="all-linear")  # swept up (a router under "all-linear"): left out
+    assert [name for name, _ in patched_modules(model)] == ["0"]
+    # Falcon's linears subclass nn.Linear with a forward that is a plain linear: targets as usual.
+    from transformers import FalconConfig, FalconForCausalLM
+
+    falcon = FalconForCausalLM(FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4))
+    assert [name.rsplit(".", 1)[-1] for name, _ in patched_modules(patch_model(falcon))] == [
+        "query_key_value",
+        "dense",
+        "dense_h_to_4h",
+        "dense_4h_to_h",
+    ]
 
     tied = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
     tied[2].weight = tied[0].weight

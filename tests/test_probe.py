@@ -278,6 +278,14 @@ def test_a_vision_language_forward_with_images_is_not_replayed_without_them():
         model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, **images).loss.backward()
     with pytest.raises(RuntimeError, match="no probe contexts"):
         opt.kl_control.contexts()
+    # Images given as a list of tensors, one per image, count as well; other lists do not.
+    recorder = probe.ContextRecorder(tiny_qwen2(), samples=None, temperature=1.0)
+    recorder.record(recorder, (), {"input_ids": ids, "sizes": [1, 2]})
+    assert recorder.latest.tokens > 0
+    with pytest.warns(UserWarning, match=r"inputs the probe does not replay \(images;"):
+        recorder.record(recorder, (), {"input_ids": ids, "images": [torch.ones(3, 4, 4)]})
+    assert recorder.latest.tokens == 0
+    recorder.remove()
 
 
 def test_the_probe_switches_fused_attention_in_each_sub_config_and_restores_each():

@@ -315,3 +315,13 @@ def test_projection_generated_on_cuda_is_the_cpu_one(kind):
         assert torch.equal(cuda.cpu(), cpu)
     else:
         torch.testing.assert_close(cuda.cpu(), cpu, rtol=2.0**-23, atol=0)
+
+
+def test_importing_the_package_leaves_torch_compile_unloaded():
+    """``make_projection`` excludes itself from ``torch.compile`` only when traced, so importing
+    logra_optim does not import dynamo (seconds of import time in every worker process)."""
+    import subprocess
+    import sys
+
+    code = "import sys, logra_optim; sys.exit('torch._dynamo' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

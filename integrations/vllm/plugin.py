@@ -7,7 +7,8 @@ from __future__ import annotations
 BACKEND = "logra"
 # The meaning of a LoGRA update over the backend; trainer and engine must speak the same one.
 # 3: projections from the counter-based generator (sync payload version 4).
-PROTOCOL = 3
+# 4: each target's stochastic-rounding seed in the payload (sync payload version 5).
+PROTOCOL = 4
 
 
 def register() -> None:
