@@ -385,13 +385,14 @@ class GRPOWithRolloutLogps(GRPOTrainer):
 def test_mismatch_from_grpo_batches_reaches_the_step_control(tmp_path):
     # num_iterations=2 makes GRPO compute old_per_token_logps (as it always does with vLLM).
     steps, w = 4, 0.3
-    args = setup.make_config("grpo", tmp_path, max_steps=steps, num_iterations=2, gradient_accumulation_steps=2)
-    trainer = GRPOWithRolloutLogps(
-        model=setup.build_policy(),
-        reward_funcs=setup.allowed_fraction_reward,
-        args=args,
-        train_dataset=setup.prompt_dataset(),
-        processing_class=setup.build_tokenizer(),
+    trainer = setup.build_trainer(
+        "grpo",
+        setup.build_policy(),
+        tmp_path,
+        trainer_cls=GRPOWithRolloutLogps,
+        max_steps=steps,
+        num_iterations=2,
+        gradient_accumulation_steps=2,
     )
     quiet_attach(trainer, mismatch_ema=w)
     trainer.train()
@@ -419,13 +420,8 @@ class GRPOWithRolloutLogpsAlone(GRPOTrainer):
 
 
 def test_rollout_logps_without_the_trainers_warn_that_the_mismatch_is_not_estimated(tmp_path):
-    args = setup.make_config("grpo", tmp_path, max_steps=1)
-    trainer = GRPOWithRolloutLogpsAlone(
-        model=setup.build_policy(),
-        reward_funcs=setup.allowed_fraction_reward,
-        args=args,
-        train_dataset=setup.prompt_dataset(),
-        processing_class=setup.build_tokenizer(),
+    trainer = setup.build_trainer(
+        "grpo", setup.build_policy(), tmp_path, trainer_cls=GRPOWithRolloutLogpsAlone, max_steps=1
     )
     quiet_attach(trainer)
     with pytest.warns(RuntimeWarning, match="mismatch κ is not estimated and stays 0"):

@@ -159,11 +159,14 @@ def make_config(kind: str, output_dir, **overrides):
     return cls(**settings)
 
 
-def build_trainer(kind: str, model, output_dir, callbacks=None, optimizers=(None, None), **config_overrides):
-    """A real ``GRPOTrainer`` / ``RLOOTrainer`` on the toy task; ``model`` is a model or a path."""
+def build_trainer(
+    kind: str, model, output_dir, callbacks=None, optimizers=(None, None), trainer_cls=None, **config_overrides
+):
+    """A real ``GRPOTrainer`` / ``RLOOTrainer`` (or ``trainer_cls``, a subclass of the ``kind``) on the
+    toy task; ``model`` is a model or a path."""
     from trl import GRPOTrainer, RLOOTrainer
 
-    cls = {"grpo": GRPOTrainer, "rloo": RLOOTrainer}[kind]
+    cls = trainer_cls or {"grpo": GRPOTrainer, "rloo": RLOOTrainer}[kind]
     return cls(
         model=model,
         reward_funcs=allowed_fraction_reward,
