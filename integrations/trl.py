@@ -67,6 +67,9 @@ _LOGGED_STATS = {
     "nonfinite_skips": "logra/nonfinite_skips",
     "probe_skips": "logra/probe_skips",
 }
+# Running totals: logged as they stand at the log, not averaged over its window (a mean of
+# 0, 0, 1 would read as a third of a skip).
+_COUNTERS = frozenset({"logra/nonfinite_skips", "logra/probe_skips"})
 
 
 class LoGRACallback(TrainerCallback):
@@ -125,7 +128,10 @@ class LoGRACallback(TrainerCallback):
                 self.pending.setdefault(name, []).append(float(value))
 
     def pop_logs(self) -> dict[str, float]:
-        logs = {name: sum(values) / len(values) for name, values in self.pending.items()}
+        logs = {
+            name: values[-1] if name in _COUNTERS else sum(values) / len(values)
+            for name, values in self.pending.items()
+        }
         self.pending = {}
         return logs
 

@@ -432,6 +432,9 @@ def test_rollout_logps_without_the_trainers_warn_that_the_mismatch_is_not_estima
 def test_callback_feeds_mismatch_samples_to_the_optimizer(tmp_path):
     trainer = setup.build_trainer("grpo", setup.build_policy(), tmp_path)
     callback = quiet_attach(trainer, mismatch_ema=0.5)
+    # Logged statistics are averaged over the log's updates; the skip counters (running totals) not.
+    callback.pending = {"logra/probe_skips": [0.0, 0.0, 1.0], "logra/alpha": [1.0, 2.0, 3.0]}
+    assert callback.pop_logs() == {"logra/probe_skips": 1.0, "logra/alpha": 2.0} and not callback.pending
     trainer.create_optimizer()  # what train() does first: builds LoGRA through optimizer_cls_and_kwargs
     optimizer = logra_optimizer(trainer)
     assert callback.optimizer is optimizer
