@@ -258,9 +258,7 @@ class ContextRecorder:
             self.latest = None
             self._warn("no integer input_ids (inputs_embeds?)")
             return
-        extra = sorted(
-            key for key, value in (named or {}).items() if key not in REPLAYED and _holds_tensor(value)
-        )
+        extra = sorted(key for key, value in (named or {}).items() if key not in REPLAYED and _holds_tensor(value))
         unreplayable = (
             "positional arguments behind a wrapper's *args, which cannot be read by name"
             if named is None
