@@ -36,7 +36,7 @@ def build_policy(seed: int) -> Qwen2ForCausalLM:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--prompts", type=int, default=32, help="prompts (= responses) per update")
     parser.add_argument("--rank", type=int, default=32)

@@ -24,7 +24,7 @@ from logra_optim import LoGRAOptimizer, patch_model  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--prompts", type=int, default=32, help="prompts (= responses) per update")
     parser.add_argument("--rank", type=int, default=32)

@@ -7,7 +7,7 @@ the tokenizer is a word-level one built in memory; with a real model you would l
 The task is verifiable: prompts are random words ``t0 … t59``, and a completion earns the fraction
 of its words that are in an "allowed" set (every 4th word), so a random policy starts near 0.25.
 
-LoGRA's settings here: rank 16 (targets are 64×64 … 176×64), a predicted-KL budget of 2e-2 per
+LoGRA's settings here: rank 16 (targets from 32×64, k/v_proj, to 64×176, down_proj), a predicted-KL budget of 2e-2 per
 update, and ``update_ratio=5e-2``, the relative step before KL control scales it by α ≤ ``alpha_max``:
 the default (6e-5, the paper's, for billion-parameter models) would cap α long before this tiny
 model reaches the budget. TRL's ``learning_rate`` is not used; its schedule scales ``update_ratio``.
@@ -83,7 +83,7 @@ def allowed_words_reward(completions, **kwargs) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch-size", type=int, default=32, help="completions per step")
     parser.add_argument("--num-generations", type=int, default=4, help="completions per prompt")

@@ -30,6 +30,10 @@ if TYPE_CHECKING:
 
 # Where each public name lives (``__all__`` below lists the same names, for readers and linters).
 _HOMES = {
+    "BACKEND": "plugin",
+    "PROTOCOL": "plugin",
+    "register": "plugin",
+    "LoGRAWeightTransferEngine": "backend",
     "EXTENSION": "engine",
     "EngineUpdater": "engine",
     "LoGRAWorkerExtension": "engine",
@@ -44,6 +48,10 @@ _HOMES = {
 }
 
 __all__ = [
+    "BACKEND",
+    "PROTOCOL",
+    "LoGRAWeightTransferEngine",
+    "register",
     "EXTENSION",
     "EngineUpdater",
     "LoGRAWorkerExtension",

@@ -33,13 +33,14 @@ CLI_EXTRAS = {
     "bitsandbytes",
 }
 COMMANDS = {
-    "demo": (demo, "GRPO on a verifiable task with LoGRA and with dense AdamW, side by side"),
-    "bench": (bench, "peak memory and step time: dense AdamW, LoGRA, LoRA, GaLore, 8-bit AdamW"),
+    "demo": (demo, "GRPO on a verifiable task with LoGRA and its peers (dense AdamW, AdamW on its targets, LoRA)"),
+    "bench": (bench, "peak memory and step time: LoGRA against dense AdamW and the memory-efficient peers"),
     "plan": (plan, "predicted per-GPU training memory from a config.json"),
 }
 DESCRIPTIONS = {
     "demo": "RL with verifiable rewards: warm-start a policy briefly, then train it with GRPO (TRL) "
-    "once with LoGRA and once with dense AdamW; print a table and save reward and memory plots.",
+    "once per method (LoGRA, dense AdamW, AdamW on LoGRA's targets, LoRA by default; GaLore and APOLLO-Mini on "
+    "request) from the same warm start; print a table and save reward and memory plots.",
 }
 
 

@@ -200,9 +200,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--accumulation", type=positive_int, default=1, help="microbatches (forward+backward) per optimizer step"
     )
-    parser.add_argument("--batch", type=positive_int, default=2)
-    parser.add_argument("--seq", type=positive_int, default=512)
-    parser.add_argument("--warmup", type=positive_int, default=1)
+    parser.add_argument("--batch", type=positive_int, default=2, help="sequences per microbatch")
+    parser.add_argument("--seq", type=positive_int, default=512, help="tokens per sequence")
+    parser.add_argument("--warmup", type=positive_int, default=1, help="untimed steps per process before the runs")
     parser.add_argument("--runs", type=positive_int, default=3, help="timed steps per process")
     parser.add_argument("--rounds", type=positive_int, default=3, help="fresh processes per configuration")
     parser.add_argument("--threads", type=positive_int, help="torch threads per worker (default: torch's)")

@@ -190,7 +190,7 @@ def peak(parts: dict[str, float]) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="a config.json, a directory holding one, or a `logra bench` preset name")
-    parser.add_argument("--rank", type=positive_int, default=256)
+    parser.add_argument("--rank", type=positive_int, default=256, help="LoGRA's and LoRA's rank")
     parser.add_argument(
         "--expert-rank", type=positive_int, help="mixture of experts: LoGRA's and LoRA's rank on the experts"
     )
