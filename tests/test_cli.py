@@ -129,6 +129,13 @@ def test_unwritable_output_dir_is_refused(capsys, tmp_path):
         (["demo", "--accumulation", "0"], "--accumulation"),
         (["demo", "--threads", "0"], "--threads"),
         (["bench", "--methods", "adam"], "--methods"),
+        (["bench", "--methods", "adamw,adamw"], "--methods"),
+        (["demo", "--methods", "logra,logra"], "--methods"),
+        (
+            ["bench", "--preset", "tiny", "--rank", "8", "--ranks", "4", "--methods", "adamw,logra-orthogonal"],
+            "--ranks",
+        ),
+        (["bench", "--preset", "tiny", "--rank", "8", "--experts", "2"], "--experts 2: the model has no mixture"),
         (["bench", "--preset", "llama-70b"], "--preset"),
         (["plan"], "config"),
     ],
@@ -205,6 +212,32 @@ def test_demo_learning_rates_default_to_the_policys():
     assert demo.DemoSettings(output="", model="/some/model").adamw_lr == demo.MODEL_RATES.adamw
     with pytest.raises(ValueError, match="policy must be one of tiny, small, medium"):
         demo.DemoSettings(output="", policy="huge")
+
+
+def test_the_demo_names_the_settings_no_sweep_chose(tmp_path):
+    """Beside tuned settings, the table names the untuned ones: GaLore's rate (matched by KL), LoGRA's
+    budget under --quick (the medium policy's), every knob at a batch its sweep did not use; not the
+    ones the user gave, and an explicit --steps wins over --quick's 60."""
+    from logra_optim.cli import build_parser, demo
+
+    parser = build_parser()
+
+    def notes(*argv):
+        settings = demo.settings_from(parser.parse_args(["demo", *argv, "--output", str(tmp_path)]), parser)
+        return settings, settings.unswept
+
+    assert notes()[1] == []  # the medium policy at the batch of its sweep
+    quick, quick_notes = notes("--quick", "--steps", "80")
+    assert quick.steps == 80 and quick_notes == [
+        "LoGRA's KL budget 0.001 (the medium policy's choice for one microbatch, not swept on tiny)"
+    ]
+    assert notes("--quick", "--kl-budget", "1e-3")[1] == []
+    assert notes("--methods", "logra,galore")[1] == [
+        "GaLore's learning rate 0.0003 (matched by KL per update, not swept)"
+    ]
+    assert notes("--methods", "adamw", "--accumulation", "1")[1] == [
+        "dense AdamW's learning rate 3e-05 (swept at 2 microbatches per update, not 1)"
+    ]
 
 
 def test_demo_batch_budget_and_rates_from_the_command_line(tmp_path):
@@ -394,6 +427,11 @@ def test_bench_on_the_tiny_preset(tmp_path):
     assert "no logra-sgd row at rank 4" in sgd_plan.stdout
     foreach_plan = plan_against_the_bench("--rank", "8", "--adamw", "foreach")  # the bench stepped fused AdamW
     assert foreach_plan.returncode != 0 and "'adamw': ('fused', 'foreach')" in foreach_plan.stderr
+    sharded_plan = plan_against_the_bench("--rank", "8", "--gpus", "2")  # a per-GPU share of another setup
+    assert sharded_plan.returncode != 0 and "--gpus plans a setup" in sharded_plan.stderr
+    config = write_config(tmp_path / "other", {**bench_preset("tiny"), "vocab_size": 512})  # another model
+    other_plan = plan_against_the_bench("--rank", "8")
+    assert other_plan.returncode != 0 and "'parameters': (" in other_plan.stderr
 
 
 def test_source_revision_without_git_or_outside_a_checkout(monkeypatch, tmp_path):
@@ -594,7 +632,7 @@ def test_bench_of_lora_alone_from_a_config_and_plan_measured_against_it(tmp_path
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((tmp_path / "out" / "bench.json").read_text())
     model = build_tiny_model(bench_preset("tiny"))
-    assert data["meta"]["layers"] == model.config.num_hidden_layers
+    assert data["meta"]["layers"] == model.config.num_hidden_layers and data["meta"]["preset"] is None
     assert f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f} M params" in data["meta"]["title"]
     plan = run_cli(
         "plan", str(config), "--dtype", "fp32", "--batch", "2", "--seq", "32", "--no-checkpointing", "--rank", "8",
@@ -795,6 +833,17 @@ def test_parameter_and_target_counts_match_the_real_model(config):
     assert shape.params == sum(p.numel() for p in model.parameters())
     real_targets = [tuple(module.weight.shape) for _, module in find_target_modules(model)]
     assert sorted(real_targets) == sorted((d, k) for d, k, _ in shape.targets() * shape.layers)
+
+
+@pytest.mark.parametrize(
+    "kind", [dict(model_type="llama"), dict(model_type="llama", attention_bias=True), dict(model_type="qwen3")]
+)
+def test_parameter_counts_follow_each_family_s_attention_biases(kind):
+    """Qwen2 adds biases to q/k/v by design; Llama and Qwen3 add them (to o too) only with
+    ``attention_bias``."""
+    config = {**TINY_CONFIG, **kind}
+    model = build_tiny_model(config)
+    assert Shape.from_config(config).params == sum(p.numel() for p in model.parameters())
 
 
 def test_mixture_of_experts_counts_match_the_real_model():
@@ -1006,7 +1055,31 @@ def test_plan_bad_config_names_what_is_missing(tmp_path, capsys):
     assert main(["plan", str(tmp_path / "missing")]) == 1
     assert "no config.json" in capsys.readouterr().err
     write_config(tmp_path, TINY_CONFIG)
-    assert "exceeds the smallest target dimension" in usage_error(capsys, "plan", str(tmp_path), "--rank", "500")
+    assert "exceeds the smallest dimension" in usage_error(capsys, "plan", str(tmp_path), "--rank", "500")
+    (tmp_path / "config.json").write_text("[1, 2]")
+    assert main(["plan", str(tmp_path)]) == 1
+    assert "holds one JSON object, got a list" in capsys.readouterr().err
+    write_config(tmp_path, {**TINY_CONFIG, "intermediate_size": [96, 96]})
+    assert main(["plan", str(tmp_path)]) == 1
+    assert "intermediate must be a non-negative integer" in capsys.readouterr().err
+    write_config(tmp_path, {**MOE_CONFIG, "num_experts_per_tok": 9})
+    assert main(["plan", str(tmp_path)]) == 1
+    assert "num_experts_per_tok 9 must be in 1…4" in capsys.readouterr().err
+
+
+def test_plan_checks_the_rank_and_the_expert_rank_against_their_own_targets(capsys, tmp_path):
+    """As the optimizer takes them: ``--rank`` on the linear targets (k/v 32 wide here),
+    ``--expert-rank`` (default: ``--rank``) on the experts (16 wide here)."""
+    write_config(tmp_path, {**MOE_CONFIG, "moe_intermediate_size": 16})
+    assert main(["plan", str(tmp_path), "--rank", "32", "--expert-rank", "8"]) == 0
+    capsys.readouterr()
+    assert "--rank 32 exceeds the smallest dimension (16)" in usage_error(capsys, "plan", str(tmp_path), "--rank", "32")
+    assert "--rank 40 exceeds the smallest dimension (32)" in usage_error(
+        capsys, "plan", str(tmp_path), "--rank", "40", "--expert-rank", "8"
+    )
+    assert "--expert-rank 20 exceeds" in usage_error(
+        capsys, "plan", str(tmp_path), "--rank", "8", "--expert-rank", "20"
+    )
 
 
 def test_demo_with_a_local_model_path(tmp_path):

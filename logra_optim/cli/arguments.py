@@ -101,6 +101,9 @@ def choice_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
         unknown = sorted(set(values) - set(choices))
         if unknown or not values:
             raise argparse.ArgumentTypeError(f"unknown {unknown or 'empty list'}; choose from {','.join(choices)}")
+        repeated = sorted({value for value in values if values.count(value) > 1})
+        if repeated:
+            raise argparse.ArgumentTypeError(f"{','.join(repeated)} given more than once")
         return values
 
     return parse

@@ -506,7 +506,11 @@ def _check_ranks(spec: dict, ranks: list[int], parser: argparse.ArgumentParser) 
     """Refuse a rank no target of the model allows before any worker starts (LoRA, GaLore and LoGRA
     share it)."""
     try:
-        limit = Shape.from_config(model_config(spec).to_dict()).max_rank
+        config = model_config(spec)
+    except ValueError as error:  # e.g. --experts on a dense model
+        parser.error(str(error))
+    try:
+        limit = Shape.from_config(config.to_dict()).max_rank
     except ValueError:
         return  # not a Llama-style config: the workers' own checks will name the module
     if ranks and (ranks[0] < 1 or ranks[-1] > limit):
@@ -676,8 +680,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
             "which counts live tensors already)"
         )
     layers = args.layers or (None if (args.model or args.config) else DEFAULT_LAYERS[args.preset])
+    if args.ranks and "logra-rowadam" not in args.methods:
+        parser.error("--ranks: extra ranks apply to logra-rowadam only, which --methods does not run")
     base_spec = dict(
-        preset=args.preset,
+        preset=None if (args.model or args.config) else args.preset,  # what ran, for bench.json
         config=args.config,
         model=args.model,
         layers=layers,

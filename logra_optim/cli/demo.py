@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import math
 import json
 import os
@@ -158,6 +159,7 @@ class DemoSettings:
     methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
     model: str | None = None
     policy: str = "medium"  # the built-in policy without --model: a key of POLICIES
+    unswept: list[str] = field(default_factory=list)  # knobs no equal sweep chose here (unswept())
     device: str = "auto"
     threads: int | None = None
 
@@ -225,7 +227,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--task", choices=sorted(tasks.TASKS), default="addition", help="the verifiable task")
     parser.add_argument("--digits", type=positive_int, default=defaults.digits, help="operand digits (sort: digits+2)")
-    parser.add_argument("--steps", type=positive_int, default=defaults.steps, help="GRPO updates per run")
+    parser.add_argument(
+        "--steps", type=positive_int, help=f"GRPO updates per run; default {defaults.steps}, or 60 with --quick"
+    )
     parser.add_argument(
         "--accumulation",
         type=positive_int,
@@ -373,7 +377,7 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         output=os.path.abspath(args.output),
         task=args.task,
         digits=args.digits,
-        steps=args.steps,
+        steps=args.steps or (60 if args.quick else DemoSettings.steps),
         accumulation=args.accumulation or (1 if args.quick else DemoSettings.accumulation),
         rank=args.rank,
         kl_budget=args.kl_budget or (QUICK_KL_BUDGET if args.quick else DemoSettings.kl_budget),
@@ -402,9 +406,49 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         warm_start_reward=args.warm_start_reward,
         warm_start_lr=args.warm_start_lr,
     )
-    if args.quick:
-        settings.steps = min(settings.steps, 60)
+    given = {name for name, _ in METHOD_SETTINGS.values() if getattr(args, name) is not None}
+    settings.unswept = unswept(settings, given)
     return settings
+
+
+# Each method's knob: the option that sets it and how the table names it.
+METHOD_SETTINGS = {
+    "logra": ("kl_budget", "LoGRA's KL budget"),
+    "adamw": ("adamw_lr", "dense AdamW's learning rate"),
+    "adamw-targets": ("adamw_targets_lr", "AdamW on the targets' learning rate"),
+    "lora": ("lora_lr", "LoRA's learning rate"),
+    "galore": ("galore_lr", "GaLore's learning rate"),
+    "apollo-mini": ("apollo_mini_lr", "APOLLO-Mini's learning rate"),
+}
+
+
+def unswept(settings: DemoSettings, given: set[str]) -> list[str]:
+    """The methods' knobs in this run that no equal sweep chose for its policy and batch (those the
+    user set are not listed), each with why: the table says so under the results.
+
+    Swept: the medium policy's at 2 microbatches per update (the default), the tiny policy's learning
+    rates at one (the learning benchmark's). Not swept: GaLore's and APOLLO-Mini's rates (matched by
+    KL per update), LoGRA's budget on the tiny policy (``--quick`` takes the medium policy's choice
+    for one microbatch), the small policy's (the tiny one's), a pretrained model's."""
+    notes = []
+    for method in settings.methods:
+        name, label = METHOD_SETTINGS[method]
+        if name in given:
+            continue
+        value = f"{label} {getattr(settings, name):g}"
+        if settings.model:
+            notes.append(f"{value} (not tuned for pretrained models)")
+        elif method in ("galore", "apollo-mini"):
+            notes.append(f"{value} (matched by KL per update, not swept)")
+        elif settings.policy == "small":
+            notes.append(f"{value} (the tiny policy's, not swept on small)")
+        elif settings.policy == "medium" and settings.accumulation != 2:
+            notes.append(f"{value} (swept at 2 microbatches per update, not {settings.accumulation})")
+        elif settings.policy == "tiny" and method == "logra":
+            notes.append(f"{value} (the medium policy's choice for one microbatch, not swept on tiny)")
+        elif settings.policy == "tiny" and settings.accumulation != 1:
+            notes.append(f"{value} (swept at 1 microbatch per update, not {settings.accumulation})")
+    return notes
 
 
 # --------------------------------------------------------------------------------------------------
@@ -538,7 +582,8 @@ def _encode_supervised(tokenizer, problems: list[tasks.Problem], device):
 
 def warm_start(model, tokenizer, settings: DemoSettings, seed: int, device, progress=None) -> dict:
     """Supervised steps on correct answers until the greedy reward on a validation set reaches
-    ``settings.warm_start_reward`` (checked every 20 steps), at most ``settings.warm_start_steps``.
+    ``settings.warm_start_reward`` (checked every 20 steps and after the last), at most
+    ``settings.warm_start_steps``.
 
     Stopping at a reward rather than after a fixed count makes every seed start RL from about the
     same competence: a fixed count lands anywhere from 0.2 to 0.8 on this task, and from 0.2
@@ -558,7 +603,7 @@ def warm_start(model, tokenizer, settings: DemoSettings, seed: int, device, prog
         optimizer.zero_grad()
         if progress is not None:
             progress()
-        if (step + 1) % 20 == 0:
+        if (step + 1) % 20 == 0 or step + 1 == settings.warm_start_steps:  # the last step's is reported too
             reached = {"steps": step + 1, **evaluate(model, tokenizer, settings, device, validation)}
             if reached["reward"] >= settings.warm_start_reward:
                 break
@@ -662,6 +707,14 @@ def peer_optimizer(model, method: str, args, rank: int, proj_gap: int | None = N
     return low_rank_optimizer(model, method, rank, proj_gap, **adamw)
 
 
+METHOD_MODULES = {
+    "logra": "logra_optim.integrations.trl",
+    "lora": "peft",
+    "galore": "galore_torch",
+    "apollo-mini": "apollo_torch",
+}
+
+
 def run_worker(spec: dict) -> dict:
     """Train from the warm-start checkpoint with ``spec["method"]`` (one of ``METHODS``) in
     this fresh process; return the record. Dense AdamW trains at ``settings.adamw_lr``, AdamW on the
@@ -678,6 +731,9 @@ def run_worker(spec: dict) -> dict:
     device = resolve_device(settings.device)
     if device.startswith("cuda:"):
         torch.cuda.set_device(device)  # accelerate trains on the current device
+    # Each method's own modules are imported before the memory baseline, as in `logra bench`: module
+    # code is not training memory.
+    importlib.import_module(METHOD_MODULES.get(method, "torch"))
     baseline = memory_baseline(device)
 
     model, tokenizer = load_policy(settings, str(Path(settings.output) / "warm_start" / f"seed{seed}"))
@@ -705,7 +761,7 @@ def run_worker(spec: dict) -> dict:
     )
     probe_dtype = None
     if method == "logra":
-        from logra_optim.integrations.trl import attach_logra  # imports transformers
+        from logra_optim.integrations.trl import attach_logra  # imported before the baseline
 
         probe_dtype = None if settings.probe_dtype == "float32" else settings.probe_dtype
         if probe_dtype == "auto":  # the realised-KL check needs fp32 products
@@ -1122,6 +1178,8 @@ def run_demo(settings: DemoSettings) -> dict:
     for row in cells:
         table.add_row(*row)
     Console(width=max(Console().width, 120)).print(table)
+    if settings.unswept:
+        console.print("Not from an equal sweep on this policy and batch: " + "; ".join(settings.unswept) + ".")
     images = plot(records, rows, output)
     summary = {
         "settings": asdict(settings),

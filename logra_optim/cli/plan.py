@@ -234,10 +234,16 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
     if args.layers:
         config = {**config.get("text_config", config), "num_hidden_layers": args.layers}
     shape = Shape.from_config(config)
-    if args.rank > shape.max_rank:
-        parser.error(f"--rank {args.rank} exceeds the smallest target dimension ({shape.max_rank}) of this model")
     if args.expert_rank is not None and not shape.experts:
         parser.error("--expert-rank: the model has no mixture-of-experts blocks")
+    # As the optimizer takes them: rank on the linear targets, expert_rank (default: rank) on the experts.
+    limits = [("--rank", args.rank, shape.max_rank_of(experts=False))]
+    if shape.experts:
+        option = "--rank" if args.expert_rank is None else "--expert-rank"
+        limits.append((option, args.expert_rank or args.rank, shape.max_rank_of(experts=True)))
+    for option, rank, limit in limits:
+        if rank > limit:
+            parser.error(f"{option} {rank} exceeds the smallest dimension ({limit}) of the targets it applies to")
     setting = Setting(
         rank=args.rank,
         expert_rank=args.expert_rank,
@@ -254,7 +260,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
     predictions = {method: breakdown(shape, method, setting) for method in METHODS}
     if args.gpu_memory <= 0:
         parser.error(f"--gpu-memory must be positive (GiB), got {args.gpu_memory}")
-    measured = _measured_peaks(args.measured, args.rank, args.direction) if args.measured else {}
+    measured, measured_params = _measured_peaks(args.measured, args.rank, args.direction) if args.measured else ({}, 0)
     if measured:
         meta = json.loads(Path(args.measured).read_text())["meta"]
         bench = {
@@ -268,14 +274,27 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
             ("seq", setting.seq),
             ("layers", shape.layers),
             ("checkpointing", setting.checkpointing),
+            ("accumulation", 1),  # one step of one microbatch, without the KL probe, is what plan models
+            ("kl_budget", None),
         )
         # Older runs hold None for the layers they ran and the AdamW they stepped (torch's
         # single-tensor loop on the CPU, whose temporary is one tensor's): nothing to compare.
         differ = {
             name: (bench.get(name), value)
             for name, value in compared
-            if bench.get(name) != value and not (name in ("layers", "adamw") and bench.get(name) is None)
+            if bench.get(name, value) != value and not (name in ("layers", "adamw") and bench.get(name) is None)
         }
+        if measured_params is not None and measured_params != shape.params:
+            differ["parameters"] = (measured_params, shape.params)  # another model
+        # bench runs one process with a first moment and one rank for every target.
+        for option, given in (
+            ("--gpus", setting.gpus != 1),
+            ("--replicated", args.replicated),
+            ("--no-first-moment", args.no_first_moment),
+            ("--expert-rank", args.expert_rank is not None),
+        ):
+            if given:
+                parser.error(f"--measured: {option} plans a setup `logra bench` does not run; leave it out")
         if differ or setting.dtype != "fp32":
             parser.error(
                 f"--measured was run with other settings (bench, plan): {differ}; `logra bench` runs fp32, so "
@@ -321,17 +340,20 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
     return {"shape": shape, "setting": setting, "predictions": predictions, "totals": totals, "measured": measured}
 
 
-def _measured_peaks(path: str, rank: int, direction: str) -> dict[str, int]:
+def _measured_peaks(path: str, rank: int, direction: str) -> tuple[dict[str, int], int | None]:
     """Peaks of a ``logra bench`` run by plan method: dense AdamW, and LoRA and LoGRA (with
-    ``direction``) at ``rank``."""
+    ``direction``) at ``rank``; and the model's parameter count (``None`` in older runs)."""
     try:
         results = json.loads(Path(path).read_text())["results"]
     except (OSError, json.JSONDecodeError, KeyError) as error:
         raise ValueError(f"--measured {path}: not a `logra bench` bench.json ({error})") from None
     chosen = {"adamw": "adamw", "lora": "lora", "logra": f"logra-{direction}"}
-    return {
+    peaks = {
         plan: r["peak_bytes"]
         for plan, bench in chosen.items()
         for r in results
         if r["method"] == bench and (bench == "adamw" or r["rank"] == rank)
     }
+    # The model's own parameters (LoRA's rows add its adapters').
+    params = next((r.get("total_params") for r in results if r["method"] != "lora"), None)
+    return peaks, params

@@ -128,9 +128,12 @@ def read_config(source: str) -> dict:
     if not file.is_file():
         raise ValueError(f"{source}: no config.json there (nor a preset: {', '.join(sorted(PRESETS))})")
     try:
-        return json.loads(file.read_text())
+        config = json.loads(file.read_text())
     except json.JSONDecodeError as error:
         raise ValueError(f"{file}: not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file}: a config.json holds one JSON object, got a {type(config).__name__}")
+    return config
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,7 @@ class Shape:
     expert_intermediate: int = 0
     top_k: int = 0
     qk_norm: bool = False  # Qwen3's per-head RMSNorm of queries and keys
+    attention_biases: int = 3  # q/k/v (Qwen2), 4 with o (attention_bias=True in Llama, Qwen3), or 0
 
     @classmethod
     def from_config(cls, config: dict) -> Shape:
@@ -172,7 +176,12 @@ class Shape:
                     f"config has {', '.join(unmodelled)}: shared experts and dense layers between MoE layers are not "
                     "modelled yet (every layer is taken as one block of routed experts, as in Qwen3-MoE)"
                 )
-            return cls(
+            model_type = str(config.get("model_type") or "qwen2")  # the presets are Qwen2-shaped
+            if "attention_bias" in config:
+                attention_biases = 4 if config["attention_bias"] else 0
+            else:  # Qwen2 and Qwen2-MoE add biases to q, k and v by design, the others none by default
+                attention_biases = 3 if model_type.startswith("qwen2") else 0
+            shape = cls(
                 hidden=hidden,
                 intermediate=config["intermediate_size"],
                 layers=config["num_hidden_layers"],
@@ -186,13 +195,22 @@ class Shape:
                 if experts
                 else 0,
                 top_k=(config.get("num_experts_per_tok") or 1) if experts else 0,
-                qk_norm=str(config.get("model_type", "")).startswith("qwen3"),
+                qk_norm=model_type.startswith("qwen3"),
+                attention_biases=attention_biases,
             )
         except KeyError as missing:
             raise ValueError(
                 f"config has no {missing.args[0]!r}: logra plan models Llama/Qwen/Mistral-style "
                 "decoders (hidden_size, intermediate_size, num_hidden_layers, …)"
             ) from None
+        for name, value in vars(shape).items():
+            if name in ("tied", "qk_norm"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"config: {name} must be a non-negative integer, got {value!r}")
+        if shape.experts and not 1 <= shape.top_k <= shape.experts:
+            raise ValueError(f"config: num_experts_per_tok {shape.top_k} must be in 1…{shape.experts}, the experts")
+        return shape
 
     def targets(self) -> list[tuple[int, int, int]]:
         """(out d, in k, matrices) of one layer's LoGRA targets: q, k, v, o, gate, up, down (one
@@ -215,6 +233,12 @@ class Shape:
         """The largest rank every target allows (LoGRA, LoRA and GaLore alike): the smallest dimension."""
         return min(min(d, k) for d, k, _ in self.targets())
 
+    def max_rank_of(self, experts: bool) -> int:
+        """The largest rank every linear target (``experts=False``) or every expert allows."""
+        linear = 4 if self.experts else len(self.targets())  # attention, and a dense MLP
+        chosen = self.targets()[linear:] if experts else self.targets()[:linear]
+        return min(min(d, k) for d, k, _ in chosen)
+
     @property
     def target_params(self) -> int:
         return self.layers * sum(d * k * n for d, k, n in self.targets())
@@ -224,6 +248,7 @@ class Shape:
         embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
         norms = self.layers * (2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)) + self.hidden
         router = self.layers * self.experts * self.hidden
-        # q/k/v biases (Qwen2; Qwen3-MoE has none)
-        biases = 0 if self.experts else self.layers * (self.heads + 2 * self.kv_heads) * self.head_dim
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        biases = self.layers * ((q + 2 * kv) if self.attention_biases >= 3 else 0)
+        biases += self.layers * self.hidden if self.attention_biases == 4 else 0
         return self.target_params + embeddings + norms + biases + router
