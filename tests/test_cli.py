@@ -131,10 +131,6 @@ def test_unwritable_output_dir_is_refused(capsys, tmp_path):
         (["bench", "--methods", "adam"], "--methods"),
         (["bench", "--methods", "adamw,adamw"], "--methods"),
         (["demo", "--methods", "logra,logra"], "--methods"),
-        (
-            ["bench", "--preset", "tiny", "--rank", "8", "--ranks", "4", "--methods", "adamw,logra-orthogonal"],
-            "--ranks",
-        ),
         (["bench", "--preset", "tiny", "--rank", "8", "--experts", "2"], "--experts 2: the model has no mixture"),
         (["bench", "--preset", "llama-70b"], "--preset"),
         (["plan"], "config"),
@@ -229,14 +225,18 @@ def test_the_demo_names_the_settings_no_sweep_chose(tmp_path):
     assert notes()[1] == []  # the medium policy at the batch of its sweep
     quick, quick_notes = notes("--quick", "--steps", "80")
     assert quick.steps == 80 and quick_notes == [
-        "LoGRA's KL budget 0.001 (the medium policy's choice for one microbatch, not swept on tiny)"
+        "LoGRA's KL budget 0.001 (not what a sweep chose for the tiny policy at 1 microbatch per update)"
     ]
     assert notes("--quick", "--kl-budget", "1e-3")[1] == []
+    assert notes("--quick", "--policy", "medium")[1] == [  # the medium sweep at one microbatch chose 3e-5 here
+        "AdamW on the targets' learning rate 0.0001 (not what a sweep chose for the medium policy at 1 microbatch "
+        "per update)"
+    ]
     assert notes("--methods", "logra,galore")[1] == [
         "GaLore's learning rate 0.0003 (matched by KL per update, not swept)"
     ]
-    assert notes("--methods", "adamw", "--accumulation", "1")[1] == [
-        "dense AdamW's learning rate 3e-05 (swept at 2 microbatches per update, not 1)"
+    assert notes("--methods", "adamw", "--accumulation", "3")[1] == [
+        "dense AdamW's learning rate 3e-05 (not what a sweep chose for the medium policy at 3 microbatches per update)"
     ]
 
 
@@ -1061,10 +1061,17 @@ def test_plan_bad_config_names_what_is_missing(tmp_path, capsys):
     assert "holds one JSON object, got a list" in capsys.readouterr().err
     write_config(tmp_path, {**TINY_CONFIG, "intermediate_size": [96, 96]})
     assert main(["plan", str(tmp_path)]) == 1
-    assert "intermediate must be a non-negative integer" in capsys.readouterr().err
-    write_config(tmp_path, {**MOE_CONFIG, "num_experts_per_tok": 9})
-    assert main(["plan", str(tmp_path)]) == 1
-    assert "num_experts_per_tok 9 must be in 1…4" in capsys.readouterr().err
+    assert "intermediate must be a positive integer" in capsys.readouterr().err
+    for key, value, message in (
+        ("num_experts_per_tok", 9, "num_experts_per_tok 9 must be in 1…4"),
+        ("num_experts_per_tok", 0, "num_experts_per_tok 0 must be in 1…4"),
+        ("num_attention_heads", 0, "num_attention_heads must be a positive integer"),
+        ("vocab_size", 0, "vocab must be a positive integer"),
+        ("text_config", "llama", "text_config must be a JSON object"),
+    ):
+        write_config(tmp_path, {**MOE_CONFIG, key: value})
+        assert main(["plan", str(tmp_path)]) == 1
+        assert message in capsys.readouterr().err
 
 
 def test_plan_checks_the_rank_and_the_expert_rank_against_their_own_targets(capsys, tmp_path):

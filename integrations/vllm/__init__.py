@@ -24,6 +24,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from .plugin import BACKEND, PROTOCOL, register
     from .engine import EXTENSION, EngineUpdater, LoGRAWorkerExtension, engine_placements
     from .placement import Placement, column_parallel_placements, row_parallel_placement
     from .trainer import ServerError, VLLMServer, VLLMSync, server_backend
@@ -33,7 +34,6 @@ _HOMES = {
     "BACKEND": "plugin",
     "PROTOCOL": "plugin",
     "register": "plugin",
-    "LoGRAWeightTransferEngine": "backend",
     "EXTENSION": "engine",
     "EngineUpdater": "engine",
     "LoGRAWorkerExtension": "engine",
@@ -50,7 +50,6 @@ _HOMES = {
 __all__ = [
     "BACKEND",
     "PROTOCOL",
-    "LoGRAWeightTransferEngine",
     "register",
     "EXTENSION",
     "EngineUpdater",

@@ -69,6 +69,7 @@ import argparse
 import copy
 import gc
 import importlib
+import inspect
 import json
 import os
 import platform
@@ -680,8 +681,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
             "which counts live tensors already)"
         )
     layers = args.layers or (None if (args.model or args.config) else DEFAULT_LAYERS[args.preset])
-    if args.ranks and "logra-rowadam" not in args.methods:
-        parser.error("--ranks: extra ranks apply to logra-rowadam only, which --methods does not run")
+    if args.ranks and "logra-rowadam" not in args.methods:  # e.g. bench_core.py's fixed ranks, methods overridden
+        Console(stderr=True).print(
+            "[yellow]--ranks ignored: extra ranks apply to logra-rowadam, which --methods does not run[/]"
+        )
     base_spec = dict(
         preset=None if (args.model or args.config) else args.preset,  # what ran, for bench.json
         config=args.config,
@@ -759,6 +762,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
         "seconds": time.perf_counter() - started,
         "round_orders": orders,  # as they ran
         "torch_adamw": {k: v for k, v in TORCH_ADAMW.items() if k != "betas"},  # AdamW, AdamW on targets, LoRA
+        # LoGRA runs the optimizer's defaults: whether they keep a first moment (plan --measured reads it).
+        "logra_first_moment": inspect.signature(LoGRAOptimizer).parameters["beta1"].default > 0,
         **revision,
         **base_spec,
         "layers": first["layers"],  # as run (--layers, or the model's own)

@@ -422,32 +422,36 @@ METHOD_SETTINGS = {
 }
 
 
-def unswept(settings: DemoSettings, given: set[str]) -> list[str]:
-    """The methods' knobs in this run that no equal sweep chose for its policy and batch (those the
-    user set are not listed), each with why: the table says so under the results.
+# What equal sweeps chose, by (policy, microbatches per update) and method (docs/benchmarks.md,
+# "The demo": demo-sweep-medium/ at one microbatch, demo-sweep-acc2/ at two; the tiny policy's
+# learning rates are the learning benchmark's, at one). GaLore's and APOLLO-Mini's rates were matched
+# by KL per update instead, and no sweep chose a budget for LoGRA on the tiny policy.
+SWEPT = {
+    ("medium", 1): {"adamw": 3e-5, "adamw-targets": 3e-5, "lora": 3e-4, "logra": 1e-3},
+    ("medium", 2): {"adamw": 3e-5, "adamw-targets": 1e-4, "lora": 3e-4, "logra": 3e-3},
+    ("tiny", 1): {"adamw": 3e-4, "adamw-targets": 3e-4, "lora": 3e-4},
+}
 
-    Swept: the medium policy's at 2 microbatches per update (the default), the tiny policy's learning
-    rates at one (the learning benchmark's). Not swept: GaLore's and APOLLO-Mini's rates (matched by
-    KL per update), LoGRA's budget on the tiny policy (``--quick`` takes the medium policy's choice
-    for one microbatch), the small policy's (the tiny one's), a pretrained model's."""
+
+def unswept(settings: DemoSettings, given: set[str]) -> list[str]:
+    """The methods' knobs in this run that are not what an equal sweep chose for its policy and
+    batch (:data:`SWEPT`; those the user set are not listed), each with why: the demo prints them
+    under its table."""
     notes = []
+    chosen = {} if settings.model else SWEPT.get((settings.policy, settings.accumulation), {})
     for method in settings.methods:
         name, label = METHOD_SETTINGS[method]
-        if name in given:
+        value = getattr(settings, name)
+        if name in given or (method in chosen and math.isclose(value, chosen[method])):
             continue
-        value = f"{label} {getattr(settings, name):g}"
+        batch = f"{settings.accumulation} microbatch{'es' if settings.accumulation > 1 else ''} per update"
         if settings.model:
-            notes.append(f"{value} (not tuned for pretrained models)")
+            why = "not tuned for pretrained models"
         elif method in ("galore", "apollo-mini"):
-            notes.append(f"{value} (matched by KL per update, not swept)")
-        elif settings.policy == "small":
-            notes.append(f"{value} (the tiny policy's, not swept on small)")
-        elif settings.policy == "medium" and settings.accumulation != 2:
-            notes.append(f"{value} (swept at 2 microbatches per update, not {settings.accumulation})")
-        elif settings.policy == "tiny" and method == "logra":
-            notes.append(f"{value} (the medium policy's choice for one microbatch, not swept on tiny)")
-        elif settings.policy == "tiny" and settings.accumulation != 1:
-            notes.append(f"{value} (swept at 1 microbatch per update, not {settings.accumulation})")
+            why = "matched by KL per update, not swept"
+        else:
+            why = f"not what a sweep chose for the {settings.policy} policy at {batch}"
+        notes.append(f"{label} {value:g} ({why})")
     return notes
 
 
@@ -1178,8 +1182,8 @@ def run_demo(settings: DemoSettings) -> dict:
     for row in cells:
         table.add_row(*row)
     Console(width=max(Console().width, 120)).print(table)
-    if settings.unswept:
-        console.print("Not from an equal sweep on this policy and batch: " + "; ".join(settings.unswept) + ".")
+    if settings.unswept:  # beside the table, on stdout
+        Console().print("Not from an equal sweep on this policy and batch: " + "; ".join(settings.unswept) + ".")
     images = plot(records, rows, output)
     summary = {
         "settings": asdict(settings),

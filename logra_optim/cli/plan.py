@@ -260,7 +260,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
     predictions = {method: breakdown(shape, method, setting) for method in METHODS}
     if args.gpu_memory <= 0:
         parser.error(f"--gpu-memory must be positive (GiB), got {args.gpu_memory}")
-    measured, measured_params = _measured_peaks(args.measured, args.rank, args.direction) if args.measured else ({}, 0)
+    measured, measured_params = (
+        _measured_peaks(args.measured, args.rank, args.direction) if args.measured else ({}, (None, None))
+    )
     if measured:
         meta = json.loads(Path(args.measured).read_text())["meta"]
         bench = {
@@ -276,6 +278,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
             ("checkpointing", setting.checkpointing),
             ("accumulation", 1),  # one step of one microbatch, without the KL probe, is what plan models
             ("kl_budget", None),
+            ("logra_first_moment", setting.first_moment),  # absent from runs before it was recorded
         )
         # Older runs hold None for the layers they ran and the AdamW they stepped (torch's
         # single-tensor loop on the CPU, whose temporary is one tensor's): nothing to compare.
@@ -284,13 +287,17 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
             for name, value in compared
             if bench.get(name, value) != value and not (name in ("layers", "adamw") and bench.get(name) is None)
         }
-        if measured_params is not None and measured_params != shape.params:
-            differ["parameters"] = (measured_params, shape.params)  # another model
-        # bench runs one process with a first moment and one rank for every target.
+        # Another model: LoGRA's rows train exactly the targets plan counts; the whole count is
+        # plan's approximation (biases, norms by family), so it gets 1%.
+        total, targets = measured_params
+        if targets is not None and targets != shape.target_params:
+            differ["target parameters"] = (targets, shape.target_params)
+        if total is not None and abs(total - shape.params) > 0.01 * total:
+            differ["parameters"] = (total, shape.params)
+        # bench runs one process, with one rank for every target.
         for option, given in (
             ("--gpus", setting.gpus != 1),
             ("--replicated", args.replicated),
-            ("--no-first-moment", args.no_first_moment),
             ("--expert-rank", args.expert_rank is not None),
         ):
             if given:
@@ -340,9 +347,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
     return {"shape": shape, "setting": setting, "predictions": predictions, "totals": totals, "measured": measured}
 
 
-def _measured_peaks(path: str, rank: int, direction: str) -> tuple[dict[str, int], int | None]:
+def _measured_peaks(path: str, rank: int, direction: str) -> tuple[dict[str, int], tuple[int | None, int | None]]:
     """Peaks of a ``logra bench`` run by plan method: dense AdamW, and LoRA and LoGRA (with
-    ``direction``) at ``rank``; and the model's parameter count (``None`` in older runs)."""
+    ``direction``) at ``rank``; and the model's parameter count and LoGRA's targets' (``None``
+    where no row says)."""
     try:
         results = json.loads(Path(path).read_text())["results"]
     except (OSError, json.JSONDecodeError, KeyError) as error:
@@ -354,6 +362,7 @@ def _measured_peaks(path: str, rank: int, direction: str) -> tuple[dict[str, int
         for r in results
         if r["method"] == bench and (bench == "adamw" or r["rank"] == rank)
     }
-    # The model's own parameters (LoRA's rows add its adapters').
-    params = next((r.get("total_params") for r in results if r["method"] != "lora"), None)
-    return peaks, params
+    # The model's own parameters (LoRA's rows add its adapters'), and LoGRA's targets'.
+    total = next((r.get("total_params") for r in results if r["method"] != "lora"), None)
+    targets = next((r.get("trained_params") for r in results if r["method"].startswith("logra-")), None)
+    return peaks, (total, targets)

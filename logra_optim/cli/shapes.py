@@ -159,10 +159,15 @@ class Shape:
 
     @classmethod
     def from_config(cls, config: dict) -> Shape:
-        config = config.get("text_config", config)  # multimodal configs nest the language model
+        config = config.get("text_config") or config  # multimodal configs nest the language model
+        if not isinstance(config, dict):
+            raise ValueError(f"config: text_config must be a JSON object, got {type(config).__name__}")
         try:
             hidden = config["hidden_size"]
             heads = config["num_attention_heads"]
+            for name in ("hidden_size", "num_attention_heads"):
+                if isinstance(config[name], bool) or not isinstance(config[name], int) or config[name] < 1:
+                    raise ValueError(f"config: {name} must be a positive integer, got {config[name]!r}")
             experts = (expert_count(config) or (None, None))[1]
             unmodelled = [
                 key
@@ -177,10 +182,10 @@ class Shape:
                     "modelled yet (every layer is taken as one block of routed experts, as in Qwen3-MoE)"
                 )
             model_type = str(config.get("model_type") or "qwen2")  # the presets are Qwen2-shaped
-            if "attention_bias" in config:
-                attention_biases = 4 if config["attention_bias"] else 0
-            else:  # Qwen2 and Qwen2-MoE add biases to q, k and v by design, the others none by default
-                attention_biases = 3 if model_type.startswith("qwen2") else 0
+            if model_type.startswith("qwen2"):  # Qwen2 and Qwen2-MoE: biases on q, k and v by design
+                attention_biases = 3
+            else:  # Llama, Qwen3, …: on q, k, v and o where attention_bias says so
+                attention_biases = 4 if config.get("attention_bias") else 0
             shape = cls(
                 hidden=hidden,
                 intermediate=config["intermediate_size"],
@@ -194,7 +199,9 @@ class Shape:
                 expert_intermediate=(config.get("moe_intermediate_size") or config["intermediate_size"])
                 if experts
                 else 0,
-                top_k=(config.get("num_experts_per_tok") or 1) if experts else 0,
+                top_k=(1 if config.get("num_experts_per_tok") is None else config["num_experts_per_tok"])
+                if experts
+                else 0,
                 qk_norm=model_type.startswith("qwen3"),
                 attention_biases=attention_biases,
             )
@@ -203,11 +210,13 @@ class Shape:
                 f"config has no {missing.args[0]!r}: logra plan models Llama/Qwen/Mistral-style "
                 "decoders (hidden_size, intermediate_size, num_hidden_layers, …)"
             ) from None
+        may_be_zero = ("experts", "expert_intermediate", "top_k", "attention_biases")
         for name, value in vars(shape).items():
             if name in ("tied", "qk_norm"):
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"config: {name} must be a non-negative integer, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name in may_be_zero else 1):
+                kind = "a non-negative" if name in may_be_zero else "a positive"
+                raise ValueError(f"config: {name} must be {kind} integer, got {value!r}")
         if shape.experts and not 1 <= shape.top_k <= shape.experts:
             raise ValueError(f"config: num_experts_per_tok {shape.top_k} must be in 1…{shape.experts}, the experts")
         return shape
