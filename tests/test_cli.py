@@ -65,11 +65,16 @@ def usage_error(capsys, *argv: str) -> str:
 # Arguments and bad input
 
 
-def test_help_lists_the_three_commands():
+def test_help_lists_the_three_commands(capsys):
     result = run_cli("--help")
     assert result.returncode == 0
     for command in ("demo", "bench", "plan"):
         assert command in result.stdout
+        # Each option's default, where it has one; an unset one is said in the option's own text.
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = capsys.readouterr().out
+        assert "(default: None)" not in text and "(default: " in text
 
 
 @pytest.mark.parametrize("rank", ["0", "-3", "abc", "1.5"])

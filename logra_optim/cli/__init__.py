@@ -44,10 +44,16 @@ DESCRIPTIONS = {
 }
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default in ``--help``; an unset (``None``) default is left to the option's own
+    text, which says what applies instead (``(default: None)`` would say nothing)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="logra", description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog="logra", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
     for name, (module, help_text) in COMMANDS.items():
         module.add_arguments(
@@ -55,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                 name,
                 help=help_text,
                 description=DESCRIPTIONS.get(name),
-                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                formatter_class=HelpFormatter,
             )
         )
     return parser
