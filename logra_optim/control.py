@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .caller import warn
 from . import distributed as dp
+from .caller import warn
 
 from .kl import budget_at, effective_budget, floored_kl, mismatch_sample, mismatch_terms, retry_alpha, step_scale
 from .options import KLOptions, positive

@@ -24,8 +24,8 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from .caller import warn
 from . import distributed as dp
+from .caller import warn
 from .control import KLController, UpdateSkipped
 from .options import (
     KLOptions,

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from .caller import warn
 from . import distributed as dp
+from .caller import warn
 from .probe import LogitsFn
 from .projection import PROJECTIONS
 from .target import Target

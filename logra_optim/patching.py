@@ -224,13 +224,18 @@ def find_target_modules(
                 continue
             if id(module) in unsketchable:
                 skipped.append(name)
-            elif not _plain_linear(module) and named:
+            elif module.weight.dtype not in WEIGHT_DTYPES:
+                raise ValueError(
+                    f"target module {name!r} ({type(module).__name__}) stores a {module.weight.dtype} weight: "
+                    "quantized linears cannot be patched; load the model in fp32/bf16 or choose other targets"
+                )
+            elif _own_forward(module) and named:
                 raise ValueError(
                     f"target module {name!r} is a {type(module).__name__}, an nn.Linear subclass with a forward of "
                     "its own, which LoGRA's sketching forward would replace (changing its output); choose "
                     "target_modules without it"
                 )
-            elif not _plain_linear(module):  # e.g. a router under "all-linear"
+            elif _own_forward(module):  # swept up, e.g. a router under "all-linear"
                 skipped.append(name)
             else:
                 found.append((name, module))
@@ -265,14 +270,9 @@ def find_target_modules(
 PLAIN_LINEAR_SUBCLASSES = frozenset({"FalconLinear"})
 
 
-def _plain_linear(module: nn.Linear) -> bool:
-    """Whether the sketching forward computes what ``module``'s own forward does. A quantized linear
-    counts (``patch_model`` refuses it by its dtype, with the clearer message)."""
-    return (
-        type(module).forward is nn.Linear.forward
-        or type(module).__name__ in PLAIN_LINEAR_SUBCLASSES
-        or module.weight.dtype not in WEIGHT_DTYPES
-    )
+def _own_forward(module: nn.Linear) -> bool:
+    """Whether ``module``'s forward is other than the plain linear the sketching forward computes."""
+    return type(module).forward is not nn.Linear.forward and type(module).__name__ not in PLAIN_LINEAR_SUBCLASSES
 
 
 class _InputsRequireGradUnderCheckpointing:
@@ -364,11 +364,6 @@ def patch_model(
     for name, module in targets:  # validate everything before changing anything
         if hasattr(module, "_logra"):
             continue
-        if module.weight.dtype not in WEIGHT_DTYPES:
-            raise ValueError(
-                f"target module {name!r} ({type(module).__name__}) stores a {module.weight.dtype} weight: quantized "
-                "linears cannot be patched; load the model in fp32/bf16 or choose other targets"
-            )
         owner = owners.setdefault(id(module.weight), name)
         if owner != name:
             raise ValueError(

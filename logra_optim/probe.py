@@ -23,8 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .caller import warn
 from .attention import AttentionTangentMode
+from .caller import warn
 from .kl import exact_kl_terms, fisher_kl_terms, sample_words, sampled_fisher_kl_terms
 from .sketch import SharedProjection
 from .tangents import ElementwiseTangentMode
@@ -258,16 +258,14 @@ class ContextRecorder:
             self.latest = None
             self._warn("no integer input_ids (inputs_embeds?)")
             return
-        extra = sorted(key for key, value in (named or {}).items() if key not in REPLAYED and _holds_tensor(value))
-        unreplayable = (
-            "positional arguments behind a wrapper's *args, which cannot be read by name"
-            if named is None
-            else f"inputs the probe does not replay ({', '.join(extra)}; e.g. images)"
-            if extra
-            else _unreplayable(
+        if named is None:
+            unreplayable = "positional arguments behind a wrapper's *args, which cannot be read by name"
+        elif extra := sorted(key for key, value in named.items() if key not in REPLAYED and _holds_tensor(value)):
+            unreplayable = f"inputs the probe does not replay ({', '.join(extra)}; e.g. images)"
+        else:
+            unreplayable = _unreplayable(
                 input_ids, named.get("attention_mask"), named.get("position_ids"), self._relative_positions
             )
-        )
         if unreplayable:
             # Kept, with no probe position: across ranks this rank still takes part in the probe's
             # collectives (and every rank raises together if none has a position); alone, the step

@@ -88,12 +88,14 @@ def projection_key(name: str, shared: bool = True) -> str:
 
 
 def projection_seed(base_seed: int, update_index: int, name: str) -> int:
-    """A 63-bit seed from ``(base seed, update index, canonical module name)``.
+    """A 63-bit seed from ``(base seed, update index, canonical module name)``."""
+    return hashed_seed("logra", "v1", int(base_seed), int(update_index), canonical_name(name))
 
-    A cryptographic hash rather than Python's ``hash`` so it is stable across processes
-    (``PYTHONHASHSEED``) and Python versions.
-    """
-    key = f"logra/v1/{int(base_seed)}/{int(update_index)}/{canonical_name(name)}".encode()
+
+def hashed_seed(*parts: object) -> int:
+    """A 63-bit seed from ``parts`` joined by ``/``. A cryptographic hash rather than Python's
+    ``hash`` so it is stable across processes (``PYTHONHASHSEED``) and Python versions."""
+    key = "/".join(str(part) for part in parts).encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 

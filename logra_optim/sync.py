@@ -52,7 +52,6 @@ those (``VLLMSync`` refuses them).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import io
 import math
 from collections.abc import Callable
@@ -60,7 +59,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .projection import PROJECTIONS, canonical_name, make_projection
+from .projection import PROJECTIONS, canonical_name, hashed_seed, make_projection
 from .updates import all_finite, merge_low_rank_, merge_low_rank_blocks_, merge_low_rank_compensated_
 
 PAYLOAD_FORMAT = "logra-sync"
@@ -288,8 +287,7 @@ def rounding_seed(projection_seed: int, update_index: int, name: str) -> int:
     Why the name: siblings sharing ``A`` (q/k/v, gate/up) share the projection seed, and a seed of
     that alone gave same-shaped siblings (k/v, gate/up) the same uniforms, so their rounding errors
     were correlated. The payload carries the result, so an engine needs neither input."""
-    key = f"logra/rounding/v1/{int(projection_seed)}/{int(update_index)}/{canonical_name(name)}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+    return hashed_seed("logra", "rounding", "v1", int(projection_seed), int(update_index), canonical_name(name))
 
 
 def merge_like_trainer_(

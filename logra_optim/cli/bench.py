@@ -96,6 +96,7 @@ from .arguments import (
 from .measure import (
     GIB,
     memory_baseline,
+    model_parameters,
     peak_memory,
     ratio,
     release_freed_heap,
@@ -105,7 +106,15 @@ from .measure import (
     source_revision,
     synchronize,
 )
-from .peers import FIXED_RANKS, LOW_RANK_PEERS, lora_model, low_rank_optimizer, train_only_targets, trainable
+from .peers import (
+    FIXED_RANKS,
+    LOW_RANK_PEERS,
+    PEER_MODULES,
+    lora_model,
+    low_rank_optimizer,
+    train_only_targets,
+    trainable,
+)
 from .runner import run_fresh
 from .shapes import DEFAULT_LAYERS, PRESETS, Shape, expert_count, preset_config
 
@@ -135,14 +144,6 @@ DENSE_ADAMW = dict(lr=1e-6, betas=(0.9, 0.95))
 TORCH_ADAMW = dict(DENSE_ADAMW, fused=True)
 # --malloc-threshold: the workers' added environment (glibc reads it at start-up).
 MALLOC_THRESHOLDS = {"dynamic": {}, "fixed": {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}}
-OPTIONAL_MODULES = {
-    "lora": "peft",
-    "galore": "galore_torch",
-    "adamw8bit": "bitsandbytes",
-    "apollo": "apollo_torch",
-    "apollo-mini": "apollo_torch",
-    "flora": "flora_opt",
-}
 
 
 @dataclass(frozen=True)
@@ -410,8 +411,8 @@ def run_worker(spec: dict) -> dict:
     # Every import the step needs happens before the memory baseline: module code is not training
     # memory, and on a CPU neither is library code (warm_code_paths).
     device = spec["device"]
-    if spec["method"] in OPTIONAL_MODULES:
-        importlib.import_module(OPTIONAL_MODULES[spec["method"]])
+    if spec["method"] in PEER_MODULES:
+        importlib.import_module(PEER_MODULES[spec["method"]])
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
     warmed = device == "cpu" and reset_peak_rss()
@@ -493,7 +494,7 @@ def state_bytes(optimizer) -> int:
 
 def method_available(method: str) -> str | None:
     """``None`` if ``method`` can run here, else why not (a missing optional package)."""
-    module = OPTIONAL_MODULES.get(method)
+    module = PEER_MODULES.get(method)
     if module is None:
         return None
     try:
@@ -728,10 +729,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]
     results = [summarize(config, runs) for config, runs in samples.items()]
     source = args.model or args.config or f"preset {args.preset}"
     # The model's own parameters: LoRA adds its adapters (which are all it trains).
-    base_params = next(
-        (r["total_params"] for r in results if r["method"] != "lora"),
-        results[0]["total_params"] - results[0]["trained_params"],
-    )
+    base_params = model_parameters(results)
     first = samples[configs[0]][0]
     experts = f" of {first['experts']} experts (top-{first['top_k']})" if first.get("experts") else ""
     title = (

@@ -52,7 +52,7 @@ from .measure import (
     resolve_device,
     synchronize,
 )
-from .peers import LOW_RANK_PEERS, check_proj_gap, lora_model, low_rank_optimizer, train_only_targets
+from .peers import PEER_MODULES, LOW_RANK_PEERS, check_proj_gap, lora_model, low_rank_optimizer, train_only_targets
 from .runner import run_fresh
 
 # LoGRA and the three ways to train the same model it is measured against by default: dense AdamW
@@ -711,14 +711,6 @@ def peer_optimizer(model, method: str, args, rank: int, proj_gap: int | None = N
     return low_rank_optimizer(model, method, rank, proj_gap, **adamw)
 
 
-METHOD_MODULES = {
-    "logra": "logra_optim.integrations.trl",
-    "lora": "peft",
-    "galore": "galore_torch",
-    "apollo-mini": "apollo_torch",
-}
-
-
 def run_worker(spec: dict) -> dict:
     """Train from the warm-start checkpoint with ``spec["method"]`` (one of ``METHODS``) in
     this fresh process; return the record. Dense AdamW trains at ``settings.adamw_lr``, AdamW on the
@@ -737,7 +729,9 @@ def run_worker(spec: dict) -> dict:
         torch.cuda.set_device(device)  # accelerate trains on the current device
     # Each method's own modules are imported before the memory baseline, as in `logra bench`: module
     # code is not training memory.
-    importlib.import_module(METHOD_MODULES.get(method, "torch"))
+    module = "logra_optim.integrations.trl" if method == "logra" else PEER_MODULES.get(method)
+    if module is not None:
+        importlib.import_module(module)
     baseline = memory_baseline(device)
 
     model, tokenizer = load_policy(settings, str(Path(settings.output) / "warm_start" / f"seed{seed}"))

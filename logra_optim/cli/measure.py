@@ -133,6 +133,15 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
+def model_parameters(results: list[dict]) -> int:
+    """The benchmarked model's own parameter count from ``logra bench`` results: any row's but
+    LoRA's, whose count adds its adapters (a LoRA-only run: its count less what it trains)."""
+    return next(
+        (r["total_params"] for r in results if r["method"] != "lora"),
+        results[0]["total_params"] - results[0]["trained_params"],
+    )
+
+
 def ratio(value: float, baseline: float) -> str:
     """``value / baseline`` as ``"0.42×"``; ``"n/a"`` when the baseline measured zero (a run so small
     that it never rose above the post-import RSS high-water mark)."""

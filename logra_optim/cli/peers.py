@@ -68,6 +68,17 @@ def trainable(model) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+# The package each peer comes from (optional extras: a method whose package is missing is skipped).
+PEER_MODULES = {
+    "lora": "peft",
+    "galore": "galore_torch",
+    "adamw8bit": "bitsandbytes",
+    "apollo": "apollo_torch",
+    "apollo-mini": "apollo_torch",
+    "flora": "flora_opt",
+}
+
+
 def check_proj_gap(name: str, gap) -> None:
     """Refuse a projection refresh interval that is not a positive integer or None, naming it."""
     if gap is not None and (isinstance(gap, bool) or not isinstance(gap, int) or gap < 1):

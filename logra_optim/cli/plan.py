@@ -53,7 +53,7 @@ from pathlib import Path
 
 from ..options import DIRECTIONS
 from .arguments import positive_int
-from .measure import GIB, ratio
+from .measure import GIB, model_parameters, ratio
 from .shapes import Shape, read_config
 
 METHODS = ("adamw", "lora", "logra")
@@ -232,7 +232,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
 
     config = read_config(args.config)
     if args.layers:
-        config = {**config.get("text_config", config), "num_hidden_layers": args.layers}
+        config = {**(config.get("text_config") or config), "num_hidden_layers": args.layers}
     shape = Shape.from_config(config)
     if args.expert_rank is not None and not shape.experts:
         parser.error("--expert-rank: the model has no mixture-of-experts blocks")
@@ -362,7 +362,7 @@ def _measured_peaks(path: str, rank: int, direction: str) -> tuple[dict[str, int
         for r in results
         if r["method"] == bench and (bench == "adamw" or r["rank"] == rank)
     }
-    # The model's own parameters (LoRA's rows add its adapters'), and LoGRA's targets'.
-    total = next((r.get("total_params") for r in results if r["method"] != "lora"), None)
+    # The model's own parameters, and LoGRA's targets' (older runs may lack a count).
+    total = model_parameters(results) if all("total_params" in r for r in results) else None
     targets = next((r.get("trained_params") for r in results if r["method"].startswith("logra-")), None)
     return peaks, (total, targets)
