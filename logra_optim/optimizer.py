@@ -48,7 +48,7 @@ from .updates import (
     all_finite,
     basis_change,
     carry_first_moment,
-    idle_experts_still,
+    idle_still,
     low_rank_sq_norm,
     next_directions,
     step_sizes,
@@ -148,7 +148,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         stochastic_rounding: for bf16 weight storage, round merged weights stochastically so tiny
             updates survive on average (fp32 master weights are recommended).
         non_target_optimizer: ``callable(params) -> torch.optim.Optimizer`` for non-target
-            parameters left trainable (``requires_grad=True``); stepped and zeroed with this one.
+            parameters left trainable (``requires_grad=True``); stepped and zeroed with this one, but
+            not scheduled by an LR scheduler built on this one (give it its own).
             ``"external"``: another optimizer updates them (e.g. a DeepSpeed engine's own).
         probe: ``"jvp"`` (exact forward-mode AD, one forward) or ``"finite_difference"``
             (``KL(θ ‖ θ+εD)/ε²``, two forwards, exact full-vocabulary KL).
@@ -316,6 +317,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         self.probe_skips = 0
         self.stats: dict[str, Any] = {}
         self._warned_eval_mode = False
+        self._warned_eval_forward = False
         self._checked_reach = False
         self._bank = SketchBank(
             [(t.shape[0], options.rank_for(t.stacked)) for t in targets], [t.weight.device for t in targets]
@@ -324,7 +326,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             target.state.sketch = sketch
             target.state.owner = weakref.ref(self)
             target.state.sketched_in_16_bit = target.state.sketched_in_fp16 = False
-            target.state.forwarded = target.state.reached = False
+            target.state.forwarded = target.state.reached = target.state.forwarded_in_eval = False
         # Raised for good once 16-bit products reach the sketches: the first moment keeps their noise.
         self.polar_floor = POLAR_FLOOR
         self._bind_projections()
@@ -504,6 +506,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             )
             return
         self._warn_if_eval_mode()
+        self._warn_about_eval_forwards()
         self._warn_about_unreached_targets()
         # Raised for good once 16-bit products reach the first moment: by a committed update only.
         plan = self._plan(sharded_sq, POLAR_FLOOR_16BIT if sixteen_bit else self.polar_floor)
@@ -671,9 +674,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             etas = step_sizes(group["lr"], self._weight_sq_norms(sharded_sq), update_sq, group["ratio_scope"])
             for step, eta in zip(steps, etas):
                 step.eta = eta
-        if group["direction"] == "orthogonal":  # after η: an idle expert does not enlarge the others' steps
-            for step, target in zip(steps, self._targets):
-                step.direction = idle_experts_still(step.direction, target.state.sketch, target.state.experts)
+        for step, target in zip(steps, self._targets):  # after η: idle weights do not enlarge the others' steps
+            step.direction = idle_still(step.direction, target.state.sketch, target.state.experts)
         return StepPlan(steps, polar_floor)
 
     def _weight_sq_norms(self, sharded_sq: list[float] | None) -> list[float]:
@@ -779,6 +781,25 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         warn(
             "LoGRA: step() with empty sketches while the model is in eval mode: patched layers accumulate "
             "sketches only in train mode with grad enabled; call model.train() before the training forward",
+            RuntimeWarning,
+        )
+
+    def _warn_about_eval_forwards(self) -> None:
+        """Once: name the targets that ran an eval-mode forward under autograd with an input that
+        requires grad (a trainable non-target upstream). Their backward reaches no sketch, so a loss
+        computed in eval mode (dropout off, a common RL habit) would train the non-targets alone,
+        silently: an all-zero sketch is warned of above, a partial one would not be."""
+        if self._warned_eval_forward:
+            return
+        names = [t.name for t in self._targets if t.state.forwarded_in_eval]
+        if not names:
+            return
+        self._warned_eval_forward = True
+        warn(
+            f"LoGRA: {len(names)} of {len(self._targets)} targets ran a forward in eval mode with autograd recording "
+            f"({', '.join(names[:6])}{' …' if len(names) > 6 else ''}); a backward through such a forward adds "
+            "nothing to their sketches. Call model.train() before a training forward (to turn dropout off, set "
+            "the dropout probabilities to 0 instead)",
             RuntimeWarning,
         )
 

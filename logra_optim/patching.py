@@ -91,6 +91,9 @@ class TargetState:
     # bound: a target forwarded but never reached gets no gradient (see the optimizer's first update).
     forwarded: bool = False
     reached: bool = False
+    # Set by an eval-mode forward under autograd whose input requires grad (a trainable non-target
+    # upstream): a backward through it reaches no sketch (see the optimizer's step).
+    forwarded_in_eval: bool = False
 
     @property
     def bound(self) -> bool:
@@ -144,6 +147,7 @@ def _patched_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
         return perturbed_linear(self, input, target)
     # Sketch work only where a backward can follow: train mode with grad enabled, optimizer bound.
     if not target.bound or not self.training:
+        target.forwarded_in_eval |= target.bound and input.requires_grad and torch.is_grad_enabled()
         return F.linear(input, self.weight, self.bias)
     target.forwarded = target.forwarded or input.numel() > 0
     if not torch.is_grad_enabled():
@@ -160,6 +164,7 @@ def _patched_experts_forward(self: nn.Module, hidden_states, top_k_index, top_k_
             self, hidden_states, top_k_index, top_k_weights, probing_linear(self, patch.names, states)
         )
     if not states[0].bound or not (self.training and torch.is_grad_enabled()):
+        states[0].forwarded_in_eval |= states[0].bound and hidden_states.requires_grad and torch.is_grad_enabled()
         return type(self).forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
     _check_device(states[0], getattr(self, patch.names[0]))
     linear = sketching_linear(self, patch.names, states, hidden_states)

@@ -184,22 +184,25 @@ def next_directions(
     return results
 
 
-def idle_experts_still(direction: torch.Tensor, sketch: torch.Tensor, experts: int) -> torch.Tensor:
-    """``direction`` with the blocks of the experts whose sketch is zero (no token was routed to
-    them in this update, on any rank) set to zero.
+def idle_still(direction: torch.Tensor, sketch: torch.Tensor, experts: int = 1) -> torch.Tensor:
+    """``direction`` with zeros where no gradient reached the weight in this update (on any rank):
+    everywhere if its sketch is zero, and in the block of each of its ``experts`` stacked experts
+    whose sketch rows are zero (no token was routed to it).
 
-    Why: an orthogonal direction equalises each expert's first moment to unit singular values, so an
-    expert that stops receiving tokens would keep taking full steps along its decaying momentum for
-    as long as it stays idle (with RowAdam or SGD that step decays with the momentum). The KL probe
-    cannot see those steps either (no probed token reaches the expert). So an expert moves only in
-    the updates that routed it tokens; its first moment still decays meanwhile. The optimizer applies
-    this after the step size, so that the other experts' steps stay what they would be had the idle
-    ones moved (an idle block without momentum is zero before either way)."""
-    if experts == 1:
-        return direction
+    Why: the step size ``η`` scales every nonzero direction to ``ρ_upd``, and orthogonal directions
+    raise any first moment to unit singular values, so a weight that stops receiving gradient would
+    keep taking full steps along its decaying momentum for as long as it stays idle: a layer off the
+    loss path, a vision tower on text-only batches, an expert no token is routed to, every target in
+    a batch of equal rewards. For towers and experts the KL probe cannot see those steps either (no
+    probed token reaches them). So a weight or expert moves only in the updates whose gradient
+    reached it, and its first moment decays meanwhile. The optimizer applies this after ``η``, so
+    that the other targets and experts move as far as they would have had the idle ones moved too
+    (an idle block without momentum is zero before either way)."""
     idle = ~sketch.reshape(experts, -1).any(dim=1)
     if not bool(idle.any()):
         return direction
+    if experts == 1:
+        return torch.zeros_like(direction)
     return (
         direction.reshape(experts, -1, direction.shape[-1]).masked_fill(idle.view(-1, 1, 1), 0.0).reshape_as(direction)
     )

@@ -202,6 +202,29 @@ def test_zero_grad_clears_the_sketches(variant):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+def test_a_weight_no_gradient_reaches_does_not_move(variant):
+    """After some updates, with or without a first moment: a step with every sketch empty (no
+    backward, or a batch of equal rewards) moves no weight, and a backward that reaches only the
+    first layer moves only its targets. With a first moment, η would otherwise scale its decaying
+    momentum back to a full step at every update, for as long as the weight stays idle."""
+    model, opt = build(variant)
+    train(model, opt, seeds=[0, 1, 2])
+    before = weights(model)
+    opt.step()
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+    assert opt.update_index == 4  # an update, in which nothing moved: its first moments decayed
+
+    # hidden_states[1] is the first decoder layer's output: the second layer ran a forward, no backward.
+    model(**fixed_batch(seed=3), output_hidden_states=True).hidden_states[1].square().mean().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # it names the unreached targets
+        opt.step()
+    moved = {name for name, p in model.named_parameters() if not torch.equal(p, before[name])}
+    assert moved and all(name.startswith("model.layers.0.") for name in moved), moved
+    assert len(moved) == 7  # every target of the first layer
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_gradient_accumulation_equals_one_concatenated_batch(variant):
     """Two backward passes on the halves of a batch, then a step, equal one backward on the whole
     batch (a token-summed loss, so that the halves add up): same sketches, same weights, over two

@@ -346,9 +346,9 @@ def test_orthogonal_directions_orthogonalise_each_expert_on_its_own():
 def test_an_expert_that_stops_receiving_tokens_stops_moving(direction):
     """With the default first moment, an expert routed no token keeps a decaying momentum. Orthogonal
     directions would raise it back to unit singular values: full steps along a stale direction, for
-    as long as the expert stays idle, that the KL probe cannot see. So an idle expert's block is zero
-    (``updates.idle_experts_still``); RowAdam's step decays with its momentum. Every other expert keeps
-    moving at the update ratio."""
+    as long as the expert stays idle, that the KL probe cannot see; and η would scale RowAdam's decaying
+    step back up with the stack's. So an idle expert's block is zero (``updates.idle_still``), under
+    either direction. Every other expert keeps moving."""
     model = tiny_qwen3_moe()
     optimizer = LoGRAOptimizer(patch_model(model), rank=4, kl_budget=None, update_ratio=6e-5, direction=direction)
     target = next(t for t in optimizer.targets if t.experts > 1)
@@ -367,11 +367,7 @@ def test_an_expert_that_stops_receiving_tokens_stops_moving(direction):
     # the idle block is zeroed, so an idle expert does not enlarge the others' steps (by √(4/3) here).
     low, high = (5.4e-5, 6.6e-5) if direction == "orthogonal" else (1e-5, 1.0)
     assert all(low < ratio < high for step in steps for ratio in step[:-1]), steps
-    idle = [step[-1] for step in steps]
-    if direction == "orthogonal":
-        assert idle == [0.0] * 10
-    else:
-        assert 0 < idle[-1] < 0.6 * idle[0]
+    assert [step[-1] for step in steps] == [0.0] * 10
 
 
 @pytest.mark.parametrize("build", [tiny_qwen3_moe, tiny_gpt_oss], ids=["qwen3_moe", "gpt_oss"])

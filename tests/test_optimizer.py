@@ -566,6 +566,30 @@ def test_step_warns_once_when_the_training_forward_ran_in_eval_mode():
         assert all(w.filename == __file__ for w in eval_warnings)  # points at the caller's step()
 
 
+def test_step_warns_once_of_an_eval_mode_microbatch_whose_backward_reached_no_sketch():
+    """With a trainable non-target upstream (the embeddings), a loss computed in eval mode (dropout
+    off, a common RL habit) backpropagates, trains the embeddings and adds nothing to the sketches.
+    Beside a train-mode microbatch the sketches are not empty, so only this warning says so."""
+    model = patch_model(tiny_qwen2())
+    model.model.embed_tokens.weight.requires_grad_(True)
+    opt = LoGRAOptimizer(model, rank=4, non_target_optimizer=lambda params: torch.optim.SGD(params, lr=0.0))
+    for step in range(2):
+        model.train()
+        model(**fixed_batch(seed=0)).loss.backward()
+        train_only = {name: s.clone() for name, s in sketches(model).items()}
+        model.eval()
+        model(**fixed_batch(seed=1)).loss.backward()
+        assert all(torch.equal(s, train_only[name]) for name, s in sketches(model).items())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+        opt.zero_grad()
+        named = [w for w in caught if "forward in eval mode with autograd recording" in str(w.message)]
+        assert len(named) == (1 if step == 0 else 0)
+        assert all(w.filename == __file__ for w in named)
+        assert all(str(w.message).startswith("LoGRA: 14 of 14 targets") for w in named)
+
+
 # --------------------------------------------------------------------------------------------------
 # Non-finite and zero sketches
 

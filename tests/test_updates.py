@@ -595,17 +595,16 @@ def test_all_finite_of_nothing_and_of_empty_tensors_is_true():
     idle=st.lists(st.booleans(), min_size=5, max_size=5),
     seed=st.integers(0, 2**20),
 )
-def test_idle_experts_are_still_and_the_others_untouched(experts, d, r, idle, seed):
-    """An expert block whose sketch is zero gets a zero direction; every other block, and a target
-    that is not a stack (``experts = 1``), keeps its direction exactly."""
-    from logra_optim.updates import idle_experts_still
+def test_idle_weights_and_experts_are_still_and_the_others_untouched(experts, d, r, idle, seed):
+    """A weight whose sketch is zero gets a zero direction, and so does an expert block whose sketch
+    rows are zero; every other block keeps its direction exactly."""
+    from logra_optim.updates import idle_still
 
     generator = torch.Generator().manual_seed(seed)
     sketch = torch.randn(experts, d, r, generator=generator)
     sketch[torch.tensor(idle[:experts])] = 0.0
     direction = torch.randn(experts * d, r, generator=generator)
-    result = idle_experts_still(direction, sketch.reshape(-1, r), experts).reshape(experts, d, r)
+    result = idle_still(direction, sketch.reshape(-1, r), experts).reshape(experts, d, r)
     for expert in range(experts):
-        expected = 0.0 * direction.reshape(experts, d, r)[expert] if idle[expert] and experts > 1 else None
-        block = direction.reshape(experts, d, r)[expert] if expected is None else expected
+        block = torch.zeros(d, r) if idle[expert] else direction.reshape(experts, d, r)[expert]
         assert torch.equal(result[expert], block)
