@@ -75,6 +75,9 @@ def test_help_lists_the_three_commands(capsys):
             main([command, "--help"])
         text = capsys.readouterr().out
         assert "(default: None)" not in text and "(default: " in text
+        # Once per option, and a list as the option is written.
+        for option in text.split("\n  -")[1:]:
+            assert option.count("(default") + option.count("; default") <= 1 and "(default: [" not in option, option
 
 
 @pytest.mark.parametrize("rank", ["0", "-3", "abc", "1.5"])

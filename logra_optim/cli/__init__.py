@@ -13,6 +13,7 @@ errors exit with status 2 and a message naming the option and what is valid.
 from __future__ import annotations
 
 import argparse
+import re
 import os
 import shlex
 import sys
@@ -45,11 +46,17 @@ DESCRIPTIONS = {
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Every option's default in ``--help``; an unset (``None``) default is left to the option's own
-    text, which says what applies instead (``(default: None)`` would say nothing)."""
+    """Every option's default in ``--help``, once: an option whose text already states its default,
+    or whose default is unset (``None``, where the text says what applies instead), is left as
+    written; a list default reads as the comma-separated value the option takes."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        return action.help if action.default is None else super()._get_help_string(action)
+        text = action.help or ""
+        if action.default is None or re.search(r"\(default\b|[;,] default\b", text):
+            return action.help
+        if isinstance(action.default, list | tuple):
+            return f"{text} (default: {','.join(map(str, action.default))})"
+        return super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
