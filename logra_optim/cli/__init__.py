@@ -13,8 +13,8 @@ errors exit with status 2 and a message naming the option and what is valid.
 from __future__ import annotations
 
 import argparse
-import re
 import os
+import re
 import shlex
 import sys
 
