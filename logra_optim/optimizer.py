@@ -804,8 +804,8 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         )
 
     def _warn_about_unreached_targets(self) -> None:
-        """Once, at the first update after a train-mode forward: name the targets that were forwarded
-        but whose sketch no backward reached. No gradient reached them (a reentrant checkpoint whose
+        """Once, at the first update a backward reached some target: name the targets that were
+        forwarded but whose sketch no backward reached. No gradient reached them (a reentrant checkpoint whose
         inputs do not require grad, a module outside the loss's graph), so their weights would
         silently never train. Read from flags the patched layers set, so that a target no token
         reached (an idle expert, a vision tower on text) is not named. Stacked experts are not
@@ -813,7 +813,9 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         if self._checked_reach:
             return
         states = [t.state for t in self._targets]
-        if not any(state.forwarded for state in states):
+        # Forwards without a backward since (generation, a reentrant checkpoint's first pass, both under
+        # no_grad) are judged at the first update some backward reached.
+        if not any(state.forwarded for state in states) or not any(state.reached for state in states):
             return
         self._checked_reach = True
         unreached = [t.name for t, state in zip(self._targets, states) if state.forwarded and not state.reached]

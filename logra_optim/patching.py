@@ -251,6 +251,15 @@ def find_target_modules(
                 f"target module {name!r} is a GPT-2 Conv1D (weight stored in×out); LoGRA patches "
                 "torch.nn.Linear only. Convert the model to nn.Linear layers or choose other targets."
             )
+    if named and not isinstance(target_modules, str):
+        names = [name for name, _ in model.named_modules()]
+        unmatched = [t for t in target_modules if not any(_matches(name, [t]) for name in names)]
+        if unmatched and found:  # none found at all is the error below
+            warn(
+                f"patch_model: target_modules names {unmatched} match no module of the model (a misspelled name?); "
+                "a name matches a module whose name is it or ends with '.' + it",
+                RuntimeWarning,
+            )
     if skipped:
         warn(
             f"patch_model: {', '.join(skipped[:3])}{' …' if len(skipped) > 3 else ''} left out of LoGRA's targets: "
@@ -264,6 +273,11 @@ def find_target_modules(
         seen = ", ".join(linears[:20]) + (" …" if len(linears) > 20 else "") or "none"
         conv1d = any(_is_gpt2_conv1d(m) for m in model.modules())
         hint = " The model uses GPT-2 Conv1D layers, which are not supported." if conv1d else ""
+        if isinstance(target_modules, str) and target_modules != "all-linear":
+            hint += (
+                " A string is a regular expression matched against the full module name (e.g. r'.*\\.q_proj');"
+                " a list of names (['q_proj']) matches by the name's last parts."
+            )
         raise ValueError(
             f"no LoGRA target modules found for target_modules={target_modules!r}. "
             f"Linear modules in the model: {seen} (the output embedding is never a target).{hint}"

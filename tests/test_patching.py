@@ -82,6 +82,22 @@ def test_list_names_match_whole_components_only(tiny):
         find_target_modules(tiny, ["proj"])
 
 
+def test_a_listed_name_that_matches_nothing_is_named_in_a_warning(tiny):
+    """A misspelled name beside a good one would otherwise leave the layers it meant frozen, silently."""
+    with pytest.warns(RuntimeWarning, match=r"names \['qproj'\] match no module") as caught:
+        patch_model(tiny, target_modules=["q_proj", "qproj"])
+    assert {name.rsplit(".", 1)[-1] for name, _ in patched_modules(tiny)} == {"q_proj"}
+    assert [w.filename for w in caught] == [__file__]
+
+
+def test_a_string_that_matches_nothing_says_it_is_a_regular_expression(tiny):
+    with pytest.raises(ValueError, match=r"A string is a regular expression .* a list of names"):
+        patch_model(tiny, target_modules="q_proj")
+    assert {name for name, _ in find_target_modules(tiny, r".*\.q_proj")} == {
+        f"model.layers.{i}.self_attn.q_proj" for i in range(2)
+    }
+
+
 def test_all_linear_includes_linears_outside_the_default_names():
     class Odd(nn.Module):
         def __init__(self):
@@ -434,6 +450,22 @@ def test_targets_no_gradient_reached_are_named_once(batch):
             assert [w.filename for w in caught if "received no gradient" in str(w.message)] == [__file__]
         else:
             assert not named  # once
+
+
+def test_a_forward_without_autograd_is_not_taken_for_an_unreached_target(batch):
+    """A train-mode forward under no_grad (generation, a rollout's log-probs) has no backward to
+    reach the targets: no warning names them."""
+    model = patch_model(tiny_qwen2())
+    opt = LoGRAOptimizer(model, rank=3, lr=1e-3)
+    model.train()
+    with torch.no_grad():
+        model(**batch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+        model(**batch).loss.backward()
+        opt.step()
+    assert not [w for w in caught if "received no gradient" in str(w.message)]
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False])
