@@ -12,9 +12,12 @@ import warnings
 
 import pytest
 import torch
+import torch.nn as nn
 
 from logra_optim import LoGRAOptimizer, patch_model
-from logra_optim.probe import contexts_from_batch
+from logra_optim.control import KLController, StepChoice
+from logra_optim.options import KLOptions
+from logra_optim.probe import ProbeContexts, contexts_from_batch
 from tests.helpers.reference import measured_kl
 from tests.helpers.tiny import tiny_qwen2
 
@@ -229,6 +232,63 @@ def test_realised_kl_check_retries_and_undoes_exactly(fitted_model):
         assert torch.equal(a, b)
 
 
+def test_the_realised_kl_check_keeps_the_largest_safe_step_when_its_retries_run_out():
+    """A policy whose KL grows like α (flatter than α²) up to α = 0.2 and steeply beyond: the
+    α² rescale climbs through three steps within the budget, then overshoots on the last retry. The
+    step applied in the end is the largest α measured within the budget, not the first, and the
+    realised KL reported is that step's. The controller is the real one; the policy is one scalar
+    read by a ``probe_logits_fn`` (two words, the second's logit g(α))."""
+
+    class Policy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.alpha = nn.Parameter(torch.zeros((), dtype=torch.float64), requires_grad=False)
+
+    def logit(alpha: float) -> float:
+        return math.sqrt(alpha) if alpha <= 0.2 else math.sqrt(0.2) + 20.0 * (alpha - 0.2)
+
+    def logits(model, contexts):
+        out = torch.zeros(*contexts.input_ids.shape, 2, dtype=torch.float64)
+        out[..., 1] = logit(float(model.alpha))
+        return out
+
+    def kl(alpha: float) -> float:
+        before, after = torch.tensor([0.0, 0.0]), torch.tensor([0.0, logit(alpha)], dtype=torch.float64)
+        p = torch.softmax(before.double(), 0)
+        return float((p * (p.log() - torch.log_softmax(after, 0))).sum())
+
+    budget, tolerance = 0.03, 0.05
+    options = KLOptions(
+        budget=budget,
+        realised_kl_check=True,
+        realised_kl_tolerance=tolerance,
+        realised_kl_retries=3,
+        probe_logits_fn=logits,
+    )
+    policy = Policy()
+    control = KLController(policy, options, None)
+    contexts = ProbeContexts(torch.zeros(1, 3, dtype=torch.long), None, torch.ones(1, 3, dtype=torch.bool))
+    applied = []
+
+    def apply(alpha: float) -> None:
+        policy.alpha.fill_(alpha)
+        applied.append(alpha)
+
+    choice = StepChoice(
+        0.1, {"predicted_kl": 1.0}, contexts, logits(policy, contexts)[contexts.probe_mask], budget, 1, 3
+    )
+    apply(choice.alpha)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a safe step exists: no warning
+        final = control.check_realised(choice, apply, lambda: policy.alpha.fill_(0.0))
+    tries = applied[:-1]
+    ceiling = budget * (1 + tolerance)
+    safe = [alpha for alpha in tries if kl(alpha) <= ceiling]
+    assert len(tries) == 4 and tries == sorted(tries) and len(safe) == 3 and kl(tries[-1]) > ceiling
+    assert final == applied[-1] == max(safe) == float(policy.alpha)
+    assert choice.stats["realised_kl"] == pytest.approx(kl(max(safe)), rel=1e-9)
+
+
 def test_realised_kl_check_also_corrects_an_undershoot(fitted_model):
     """Outside the quadratic regime the prediction overshoots the true KL (here by ~12%); the check
     measures it and raises α until the step lands within the tolerance."""
@@ -303,6 +363,10 @@ def test_non_finite_prediction_skips_the_step(fitted_model):
         (dict(kl_budget=1e-4, probe_positions=2.5), "probe_positions must be a positive integer"),
         (dict(kl_budget=1e-4, fd_epsilon=-1.0), "fd_epsilon"),
         (dict(kl_budget=1e-4, mismatch_ema=0.0), "mismatch_ema"),
+        (dict(kl_budget=1e-4, mismatch_ema=1.5), "mismatch_ema"),
+        (dict(kl_budget=1e-4, realised_kl_check=True, realised_kl_tolerance=0.0), "realised_kl_tolerance"),
+        (dict(kl_budget=1e-4, realised_kl_check=True, realised_kl_retries=-1), "realised_kl_retries"),
+        (dict(kl_budget=1e-4, realised_kl_check=True, realised_kl_retries=1.5), "realised_kl_retries"),
         (dict(kl_budget=1e-4, kl_floor=0.0), "kl_floor must be None or in"),
         (dict(kl_budget=1e-4, kl_floor=1.5), "kl_floor must be None or in"),
         (dict(kl_budget=1e-4, kl_floor=True), "kl_floor must be None or in"),

@@ -260,6 +260,8 @@ def test_no_recent_updates_no_floor():
 
 def test_step_scale_edge_cases():
     assert step_scale(0.0, 1e-4, 3.0) == 1.0
+    assert step_scale(0.0, 1e-4, 0.5) == 0.5  # alpha_max binds when nothing moves too
+    assert step_scale(1e-12, 1e-4, 0.5) == 0.5
     for bad in (-1e-9, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="predicted KL"):
             step_scale(bad, 1e-4, 3.0)
@@ -348,6 +350,32 @@ def test_realised_kl_retries_converge_on_curves_steeper_or_flatter_than_quadrati
             unsafe = (alpha, realised) if unsafe is None else min(unsafe, (alpha, realised))
         alpha = retry_alpha(alpha, realised, budget, 1e12, safe, unsafe)
     assert abs(scale * alpha**steepness / budget - 1.0) <= tolerance, (len(tried), alpha)
+
+
+@given(
+    alpha=st.floats(1e-3, 10.0),
+    realised=st.floats(0.0, 1e3),
+    budget=st.floats(1e-6, 1e2),
+    alpha_max=st.floats(1e-2, 10.0),
+)
+def test_the_rescaled_retry_never_exceeds_alpha_max(alpha, realised, budget, alpha_max):
+    assert retry_alpha(min(alpha, alpha_max), realised, budget, alpha_max) <= alpha_max
+
+
+@given(
+    low=st.floats(1e-3, 10.0),
+    ratio=st.floats(1.001, 100.0),
+    low_kl=st.floats(0.0, 1.2),  # safe: within the budget's ceiling, up to 20% above it
+    high_kl=st.floats(1.0001, 1e4),
+)
+def test_a_bracketed_retry_lies_strictly_inside_the_bracket_whatever_the_curve(low, ratio, low_kl, high_kl):
+    """Once a safe and an unsafe α are measured, the next try lies strictly between them, also on
+    curves that are no power of α (a kink, a plateau, a safe try above the budget but within its
+    tolerance), where the log-log interpolation can land outside: the bracket then only shrinks, so
+    the tries cannot alternate or leave it."""
+    high = low * ratio
+    following = retry_alpha(high, high_kl, 1.0, 1e12, (low, low_kl), (high, high_kl))
+    assert low < following < high
 
 
 def test_the_alpha_squared_rescale_alone_cycles_on_a_quartic_curve():

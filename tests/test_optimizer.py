@@ -689,6 +689,49 @@ def test_non_finite_sketch_leaves_non_target_weights_untouched(tiny, batch):
     assert torch.equal(tiny.lm_head.weight, head)
 
 
+def test_a_non_finite_non_target_gradient_alone_skips_the_update(tiny, batch):
+    """Finite sketches, one NaN in a trainable non-target's ``.grad``: the whole update is skipped,
+    targets and non-targets untouched, the skip counted."""
+    patch_model(tiny)
+    tiny.lm_head.weight.requires_grad_(True)
+    opt = LoGRAOptimizer(tiny, rank=4, lr=1e-3, non_target_optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    before = {name: p.detach().clone() for name, p in tiny.named_parameters()}
+    tiny.train()
+    tiny(**batch).loss.backward()
+    assert all(torch.isfinite(s).all() for s in opt.sketch_buffers())
+    tiny.lm_head.weight.grad[0, 0] = float("nan")
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        opt.step()
+    assert all(torch.equal(p, before[name]) for name, p in tiny.named_parameters())
+    assert opt.nonfinite_skips == 1 and opt.update_index == 0
+
+
+def test_a_skipped_probe_leaves_the_non_targets_untouched(tiny, batch):
+    """The non-target optimizer steps only once the update is certain: after the probe, which
+    would otherwise also see the non-targets already moved."""
+    patch_model(tiny)
+    tiny.lm_head.weight.requires_grad_(True)
+
+    def nan_logits(model, contexts):
+        return torch.full((*contexts.input_ids.shape, 128), float("nan"))
+
+    opt = LoGRAOptimizer(
+        tiny,
+        rank=4,
+        kl_budget=1e-3,
+        probe="finite_difference",
+        probe_logits_fn=nan_logits,
+        non_target_optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+    )
+    before = {name: p.detach().clone() for name, p in tiny.named_parameters()}
+    tiny.train()
+    tiny(**batch).loss.backward()
+    with pytest.warns(RuntimeWarning):
+        opt.step()
+    assert opt.probe_skips == 1 and opt.update_index == 0
+    assert all(torch.equal(p, before[name]) for name, p in tiny.named_parameters())
+
+
 def test_zero_sketch_with_sgd_leaves_weights_unchanged(tiny, batch):
     patch_model(tiny)
     opt = LoGRAOptimizer(tiny, rank=4, direction="sgd", update_ratio=1e-3)

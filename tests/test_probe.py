@@ -510,9 +510,10 @@ def test_chunked_lm_head_probe_equals_the_full_logits_probe(fitted_model, monkey
 
 def test_probe_with_sampled_words_estimates_the_exact_prediction(fitted_model, monkeypatch):
     """``probe_words``: the head multiplies the primal only and each position's term comes from 8 of
-    the 128 words. Over 60 draws the mean is the exact prediction; one draw is reproducible from its
-    seed; a vocabulary within ``words`` takes the exact path."""
-    model, opt, targets, factors, contexts = _sketched_probe_inputs(fitted_model, direction="sgd")
+    the 128 words. Over 60 draws the mean is the exact prediction, at a sampling temperature other
+    than 1; one draw is reproducible from its seed; a vocabulary within ``words`` takes the exact path."""
+    model, opt, targets, factors, contexts = _sketched_probe_inputs(fitted_model, direction="sgd", temperature=0.7)
+    assert contexts.temperature == 0.7
     exact, tokens, _ = jvp_predicted_kl(model, targets, factors, contexts, keep_base=False)
     draws = torch.tensor(
         [

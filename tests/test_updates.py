@@ -231,6 +231,20 @@ def test_basis_change_of_a_basis_to_itself_is_the_identity():
     torch.testing.assert_close(basis_change(a, a), torch.eye(6), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("smallest", [1e-2, 1e-3, 1e-5])
+def test_basis_change_keeps_a_weak_direction_of_an_ill_conditioned_basis(smallest):
+    """A new basis with one singular value far below the others (``smallest`` of the largest, above
+    the 1e-6 cut-off) still expresses that direction: carried into itself, a moment stays as it was,
+    its component along the weak direction included."""
+    generator = torch.Generator().manual_seed(0)
+    left = torch.linalg.qr(torch.randn(4, 4, generator=generator, dtype=torch.float64))[0]
+    right = torch.linalg.qr(torch.randn(30, 4, generator=generator, dtype=torch.float64))[0]
+    basis = (left * torch.tensor([1.0, 0.7, 0.4, smallest], dtype=torch.float64)) @ right.T
+    moment = torch.randn(5, 4, generator=generator)
+    carried = carry_first_moment(moment, basis_change(basis.float(), basis.float()))
+    torch.testing.assert_close(carried, moment, rtol=0, atol=1e-4)
+
+
 def test_basis_change_keeps_a_shared_row_space_and_drops_an_orthogonal_one():
     """Same row space (``A_new = Q A_old``): the weight-space momentum survives exactly. Orthogonal
     row spaces (disjoint input columns): nothing of it can be expressed, and nothing is kept."""
