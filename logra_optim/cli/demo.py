@@ -1172,12 +1172,18 @@ def run_demo(settings: DemoSettings) -> dict:
         title_justify="left",
     )
     for i, header in enumerate(headers):
-        table.add_column(header, justify="left" if i == 0 else "right", no_wrap=i == 0)
+        # Wrapped, never cut: a narrow terminal (or a pipe, 80 columns) must not drop digits.
+        table.add_column(header, justify="left" if i == 0 else "right", no_wrap=i == 0, overflow="fold")
     for row in cells:
         table.add_row(*row)
-    Console(width=max(Console().width, 120)).print(table)
+    Console(width=max(Console().width, 160)).print(table)
     if settings.unswept:  # beside the table, on stdout
         Console().print("Not from an equal sweep on this policy and batch: " + "; ".join(settings.unswept) + ".")
+    if settings.policy == "tiny" and settings.model is None:
+        Console().print(
+            "On the tiny policy, peak memory and time per update measure the interpreter and fixed costs, not the "
+            "methods: compare them on the medium policy (the default) or with logra bench."
+        )
     images = plot(records, rows, output)
     summary = {
         "settings": asdict(settings),
