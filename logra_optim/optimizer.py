@@ -326,7 +326,7 @@ class LoGRAOptimizer(torch.optim.Optimizer):
             target.state.sketch = sketch
             target.state.owner = weakref.ref(self)
             target.state.sketched_in_16_bit = target.state.sketched_in_fp16 = False
-            target.state.forwarded = target.state.reached = target.state.forwarded_in_eval = False
+            target.state.forwarded = target.state.reached = target.state.backward_in_eval = False
         # Raised for good once 16-bit products reach the sketches: the first moment keeps their noise.
         self.polar_floor = POLAR_FLOOR
         self._bind_projections()
@@ -785,27 +785,28 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         )
 
     def _warn_about_eval_forwards(self) -> None:
-        """Once: name the targets that ran an eval-mode forward under autograd with an input that
-        requires grad (a trainable non-target upstream). Their backward reaches no sketch, so a loss
-        computed in eval mode (dropout off, a common RL habit) would train the non-targets alone,
-        silently: an all-zero sketch is warned of above, a partial one would not be."""
+        """Once: name the targets a backward went through in an eval-mode forward while some
+        non-target is trainable. Their sketches got nothing from it, so a loss computed in eval mode
+        (dropout off, a common RL habit) trained the non-targets alone, silently: an all-zero sketch
+        is warned of above, a partial one would not be. Without a trainable non-target such a
+        backward can only be a diagnostic (``torch.autograd.grad`` of an eval forward)."""
         if self._warned_eval_forward:
             return
-        names = [t.name for t in self._targets if t.state.forwarded_in_eval]
-        if not names:
+        names = [t.name for t in self._targets if t.state.backward_in_eval]
+        if not names or not any(p.requires_grad for p in self._model.parameters()):
             return
         self._warned_eval_forward = True
         warn(
-            f"LoGRA: {len(names)} of {len(self._targets)} targets ran a forward in eval mode with autograd recording "
-            f"({', '.join(names[:6])}{' …' if len(names) > 6 else ''}); a backward through such a forward adds "
-            "nothing to their sketches. Call model.train() before a training forward (to turn dropout off, set "
+            f"LoGRA: a backward went through an eval-mode forward of {len(names)} of {len(self._targets)} targets "
+            f"({', '.join(names[:6])}{' …' if len(names) > 6 else ''}); it adds nothing to their sketches, and "
+            "trained only the non-targets. Call model.train() before a training forward (to turn dropout off, set "
             "the dropout probabilities to 0 instead)",
             RuntimeWarning,
         )
 
     def _warn_about_unreached_targets(self) -> None:
-        """Once, at the first update a backward reached some target: name the targets that were
-        forwarded but whose sketch no backward reached. No gradient reached them (a reentrant checkpoint whose
+        """Once, at the first update after a backward: name the targets that were forwarded but
+        whose sketch no backward reached. No gradient reached them (a reentrant checkpoint whose
         inputs do not require grad, a module outside the loss's graph), so their weights would
         silently never train. Read from flags the patched layers set, so that a target no token
         reached (an idle expert, a vision tower on text) is not named. Stacked experts are not
@@ -813,9 +814,13 @@ class LoGRAOptimizer(torch.optim.Optimizer):
         if self._checked_reach:
             return
         states = [t.state for t in self._targets]
-        # Forwards without a backward since (generation, a reentrant checkpoint's first pass, both under
-        # no_grad) are judged at the first update some backward reached.
-        if not any(state.forwarded for state in states) or not any(state.reached for state in states):
+        # Judged at the first update after a backward: forwards alone (generation, a rollout's
+        # log-probs, both under no_grad) reach nothing. A backward shows in a reached target or in a
+        # trainable non-target's gradient (every checkpointed block reentrant: no target is reached).
+        if not any(state.forwarded for state in states) or not (
+            any(state.reached for state in states)
+            or any(p.grad is not None for p in self._model.parameters() if p.requires_grad)
+        ):
             return
         self._checked_reach = True
         unreached = [t.name for t, state in zip(self._targets, states) if state.forwarded and not state.reached]

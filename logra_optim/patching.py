@@ -91,9 +91,9 @@ class TargetState:
     # bound: a target forwarded but never reached gets no gradient (see the optimizer's first update).
     forwarded: bool = False
     reached: bool = False
-    # Set by an eval-mode forward under autograd whose input requires grad (a trainable non-target
-    # upstream): a backward through it reaches no sketch (see the optimizer's step).
-    forwarded_in_eval: bool = False
+    # Set by a backward through an eval-mode forward of this target: it reached no sketch (see the
+    # optimizer's step).
+    backward_in_eval: bool = False
 
     @property
     def bound(self) -> bool:
@@ -147,8 +147,10 @@ def _patched_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
         return perturbed_linear(self, input, target)
     # Sketch work only where a backward can follow: train mode with grad enabled, optimizer bound.
     if not target.bound or not self.training:
-        target.forwarded_in_eval |= target.bound and input.requires_grad and torch.is_grad_enabled()
-        return F.linear(input, self.weight, self.bias)
+        output = F.linear(input, self.weight, self.bias)
+        if target.bound and output.requires_grad:
+            _flag_backward_in_eval(output, [target])
+        return output
     target.forwarded = target.forwarded or input.numel() > 0
     if not torch.is_grad_enabled():
         return F.linear(input, self.weight, self.bias)
@@ -164,11 +166,25 @@ def _patched_experts_forward(self: nn.Module, hidden_states, top_k_index, top_k_
             self, hidden_states, top_k_index, top_k_weights, probing_linear(self, patch.names, states)
         )
     if not states[0].bound or not (self.training and torch.is_grad_enabled()):
-        states[0].forwarded_in_eval |= states[0].bound and hidden_states.requires_grad and torch.is_grad_enabled()
-        return type(self).forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+        output = type(self).forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+        if states[0].bound and isinstance(output, torch.Tensor) and output.requires_grad and not self.training:
+            _flag_backward_in_eval(output, states)
+        return output
     _check_device(states[0], getattr(self, patch.names[0]))
     linear = sketching_linear(self, patch.names, states, hidden_states)
     return routed_experts(self, hidden_states, top_k_index, top_k_weights, linear)
+
+
+def _flag_backward_in_eval(output: torch.Tensor, states: list[TargetState]) -> None:
+    """Mark ``states`` once a backward goes through ``output`` of an eval-mode forward: it adds
+    nothing to their sketches. A hook on the output, so that an eval forward no backward follows
+    (evaluation with grad enabled, under gradient checkpointing's input hook) marks nothing."""
+
+    def mark(grad: torch.Tensor) -> None:
+        for state in states:
+            state.backward_in_eval = True
+
+    output.register_hook(mark)
 
 
 def _check_device(target: TargetState, weight: torch.Tensor) -> None:

@@ -370,6 +370,23 @@ def test_an_expert_that_stops_receiving_tokens_stops_moving(direction):
     assert [step[-1] for step in steps] == [0.0] * 10
 
 
+def test_a_backward_through_an_eval_mode_forward_names_every_stacked_weight():
+    """Both stacked weights of each experts block (and every linear target) are named when a
+    backward goes through an eval-mode forward while the embeddings train."""
+    model = patch_model(tiny_qwen3_moe())
+    model.model.embed_tokens.weight.requires_grad_(True)
+    optimizer = LoGRAOptimizer(model, rank=2, non_target_optimizer=lambda params: torch.optim.SGD(params, lr=0.0))
+    model.eval()
+    model(**fixed_batch(batch=2, seq=8, seed=0)).loss.backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer.step()
+    named = [str(w.message) for w in caught if "eval-mode forward of" in str(w.message)]
+    total = len(optimizer.targets)
+    assert any(t.experts > 1 for t in optimizer.targets)
+    assert len(named) == 1 and f"forward of {total} of {total} targets" in named[0], named
+
+
 @pytest.mark.parametrize("build", [tiny_qwen3_moe, tiny_gpt_oss], ids=["qwen3_moe", "gpt_oss"])
 def test_kl_probe_includes_expert_updates(build):
     """The JVP probe's predicted KL of an update that moves only experts equals the exact KL of the

@@ -569,25 +569,48 @@ def test_step_warns_once_when_the_training_forward_ran_in_eval_mode():
 def test_step_warns_once_of_an_eval_mode_microbatch_whose_backward_reached_no_sketch():
     """With a trainable non-target upstream (the embeddings), a loss computed in eval mode (dropout
     off, a common RL habit) backpropagates, trains the embeddings and adds nothing to the sketches.
-    Beside a train-mode microbatch the sketches are not empty, so only this warning says so."""
+    Beside a train-mode microbatch the sketches are not empty, so only this warning says so. An eval
+    forward with grad enabled that no backward follows marks nothing."""
     model = patch_model(tiny_qwen2())
     model.model.embed_tokens.weight.requires_grad_(True)
     opt = LoGRAOptimizer(model, rank=4, non_target_optimizer=lambda params: torch.optim.SGD(params, lr=0.0))
-    for step in range(2):
+    for step in range(3):
         model.train()
         model(**fixed_batch(seed=0)).loss.backward()
         train_only = {name: s.clone() for name, s in sketches(model).items()}
         model.eval()
-        model(**fixed_batch(seed=1)).loss.backward()
+        loss = model(**fixed_batch(seed=1)).loss
+        if step > 0:
+            loss.backward()
         assert all(torch.equal(s, train_only[name]) for name, s in sketches(model).items())
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             opt.step()
         opt.zero_grad()
-        named = [w for w in caught if "forward in eval mode with autograd recording" in str(w.message)]
-        assert len(named) == (1 if step == 0 else 0)
+        named = [w for w in caught if "eval-mode forward of" in str(w.message)]
+        assert len(named) == (1 if step == 1 else 0)
         assert all(w.filename == __file__ for w in named)
-        assert all(str(w.message).startswith("LoGRA: 14 of 14 targets") for w in named)
+        assert all(
+            str(w.message).startswith("LoGRA: a backward went through an eval-mode forward of 14 of 14") for w in named
+        )
+
+
+def test_a_gradient_taken_from_an_eval_forward_with_nothing_else_trainable_is_not_warned_of():
+    """A diagnostic (``torch.autograd.grad`` of an eval forward's loss with respect to the input
+    embeddings), as docs/api.md advises, with no trainable non-target: nothing is warned of."""
+    model = patch_model(tiny_qwen2())
+    opt = LoGRAOptimizer(model, rank=4)
+    batch = fixed_batch(seed=0)
+    model.eval()
+    embeds = model.get_input_embeddings()(batch["input_ids"]).detach().requires_grad_()
+    loss = model(inputs_embeds=embeds, labels=batch["labels"]).loss
+    (gradient,) = torch.autograd.grad(loss, embeds)
+    assert gradient.abs().sum() > 0
+    model.train()
+    model(**batch).loss.backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        opt.step()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -452,6 +452,28 @@ def test_targets_no_gradient_reached_are_named_once(batch):
             assert not named  # once
 
 
+def test_targets_are_named_when_a_backward_reached_none_of_them(batch):
+    """Every decoder layer in a reentrant checkpoint with frozen embeddings: no target gets a
+    gradient, while the trainable LM head does. That backward shows in the head's gradient, and the
+    first update names all 14 targets."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    model = patch_model(tiny_qwen2())
+    model.lm_head.weight.requires_grad_(True)
+    layers = list(model.model.layers)
+    wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.REENTRANT)
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper, check_fn=lambda module: module in layers)
+    opt = LoGRAOptimizer(model, rank=3, lr=1e-3, non_target_optimizer=lambda params: torch.optim.SGD(params, lr=1e-3))
+    model.train()
+    model(**batch).loss.backward()
+    with pytest.warns(RuntimeWarning, match="14 of 14 targets ran a training forward but received no gradient"):
+        opt.step()
+
+
 def test_a_forward_without_autograd_is_not_taken_for_an_unreached_target(batch):
     """A train-mode forward under no_grad (generation, a rollout's log-probs) has no backward to
     reach the targets: no warning names them."""
