@@ -166,6 +166,17 @@ def test_expert_factors_carry_their_own_rank():
         (lambda d: d.pop("expert_rank"), "missing or mistyped"),
         (lambda d: d["updates"][0]["targets"][1].update(name="layer0.weight"), "names a target twice"),
         (lambda d: d["updates"][0]["targets"][0].update(seed=-1), "seed"),
+        (lambda d: d["updates"][0]["targets"][0].update(seed=2**63), r"seed .* outside \[0, 2\*\*63\)"),
+        (lambda d: d["updates"][0]["targets"][0].update(factor=torch.ones(0, 3)), r"expected \(d, r\)"),
+        (lambda d: d["updates"][0]["targets"][0].update(in_features=2), "in_features 2 is below the rank 3"),
+        (
+            lambda d: d["updates"][0]["targets"][0].update(rounding="stochastic", rounding_seed=None),
+            "rounding_seed must be an integer",
+        ),
+        (
+            lambda d: d["updates"][0]["targets"][0].update(rounding="stochastic", rounding_seed=2**63),
+            "rounding_seed must be an integer",
+        ),
         (lambda d: d.update(projection="sparse"), "projection must be one of"),
         (lambda d: d.update(updates=[]), "no updates"),
         (lambda d: d["updates"][0]["targets"][0].pop("factor"), "missing or mistyped"),
@@ -256,6 +267,18 @@ def test_payload_names_the_projection_of_a_resumed_optimizer():
     optimizer.load_state_dict(fresh()[1].state_dict())  # the same kind, back to update 0
     step(model, optimizer)  # update 1 again: a gap the engine's index check would refuse
     assert [u.index for u in recorder.pending] == [2, 1] and not recorder.consistent
+
+    # Consecutive indices, another projection kind: the checkpoint of a Gaussian run at update 1.
+    gaussian_model, gaussian = fresh(projection="gaussian")
+    step(gaussian_model, gaussian)
+    model, optimizer = fresh()
+    recorder = UpdateRecorder(optimizer)
+    step(model, optimizer)  # update 1, Rademacher
+    optimizer.load_state_dict(gaussian.state_dict())
+    step(model, optimizer)  # update 2, Gaussian
+    assert [u.index for u in recorder.pending] == [1, 2] and not recorder.consistent
+    with pytest.raises(ValueError, match="merged with different"):
+        recorder.drain()
 
 
 def test_a_removed_merge_hook_is_not_called():

@@ -330,6 +330,33 @@ def test_many_updates_between_syncs_send_full_weights_when_smaller(llm):
     sync.close()
 
 
+def test_several_updates_in_one_payload_leave_the_engine_at_the_last(llm):
+    """Syncing every other update: one payload carries two updates, the engine records the last,
+    and the next sync is compressed again."""
+    model, optimizer = _trainer(seed=9)
+    sync = VLLMSync(optimizer, llm, check_every=0)
+    sync.sync()
+    generator = torch.Generator().manual_seed(9)
+    for expected in (2, 4):
+        for _ in range(2):
+            train_step(model, optimizer, generator)
+        assert sync.sync()["kind"] == "compressed"
+        assert sync.engine.call("logra_status")[0]["index"] == optimizer.update_index == expected
+    assert max_difference(engine_logprobs(llm), trainer_logprobs(model)) < 1e-4
+    sync.close()
+
+
+def test_drift_beyond_either_bound_fails_the_check():
+    """The engine's copy against the trainer's, and the served weights against the engine's copy
+    (at their own, dtype-limited bound): either beyond its bound fails, NaN does not."""
+    from logra_optim.integrations.vllm.engine import drift_exceeded
+
+    assert not drift_exceeded({"drift": 0.0, "served_drift": 5e-4, "served_bound": 1e-3}, 1e-3)
+    assert drift_exceeded({"drift": 2e-3, "served_drift": 0.0, "served_bound": 1e-3}, 1e-3)
+    assert drift_exceeded({"drift": 0.0, "served_drift": 0.5, "served_bound": 1e-3}, 1e-3)
+    assert not drift_exceeded({"drift": float("nan"), "served_drift": float("nan"), "served_bound": 1e-3}, 1e-3)
+
+
 # --------------------------------------------------------------------------------------------------
 # A separate server process
 
