@@ -5,6 +5,7 @@ actually saves for backward."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -907,6 +908,28 @@ def test_logra_and_lora_state_match_the_real_optimizers(config):
     lora = lora_model(config, rank)
     adapters = sum(p.numel() for p in lora.parameters() if p.requires_grad)
     assert plan_module.breakdown(shape, "lora", setting)["adapters + gradients + moments"] == 16 * adapters
+
+
+def test_plan_shards_only_fully_sharded_runs_and_its_peak_takes_the_larger_phase():
+    """DDP (``--replicated``) keeps whole weights, gradients and AdamW state on every GPU; FSDP/ZeRO-3
+    divides them by the GPU count. Checkpointing keeps every layer's input and one layer's full set.
+    The peak is what persists plus the larger of the backward's and the step's transients."""
+    shape = Shape.from_config(SHAPES[0])
+    replicated = plan_module.breakdown(shape, "adamw", plan_module.Setting(gpus=4, sharded=False, dtype="fp32"))
+    sharded = plan_module.breakdown(shape, "adamw", plan_module.Setting(gpus=4, sharded=True, dtype="fp32"))
+    assert replicated["weights"] == 4 * shape.params == 4 * sharded["weights"]
+    assert replicated["optimizer state"] == 8 * shape.params == 4 * sharded["optimizer state"]
+
+    setting = plan_module.Setting(rank=8, dtype="fp32", batch=1, seq=8)
+    every_layer = plan_module.breakdown(shape, "logra", dataclasses.replace(setting, checkpointing=False))
+    per_layer = every_layer["activations"] / (4 * setting.tokens * shape.layers)
+    checkpointed = plan_module.breakdown(shape, "logra", setting)["activations"]
+    assert checkpointed == 4 * setting.tokens * (shape.layers * shape.hidden + per_layer)
+
+    step_heavy = {"weights": 1.0, "activations": 2.0, "logits": 1.0, "gradients": 5.0}
+    backward_heavy = {"weights": 1.0, "activations": 2.0, "logits": 4.0, "gradients": 5.0}
+    assert plan_module.peak(step_heavy) == 1.0 + 5.0
+    assert plan_module.peak(backward_heavy) == 1.0 + 6.0
 
 
 def saved_activation_bytes(model, input_ids) -> int:

@@ -679,6 +679,11 @@ def test_unpatch_restores_the_experts_module():
     assert "forward" not in experts.__dict__ and not hasattr(experts, "_logra_experts")
     assert experts.gate_up_proj.requires_grad and experts.down_proj.requires_grad
     assert all(p.requires_grad for p in model.parameters())
+    # A stacked weight frozen before patching is frozen after unpatching.
+    experts.down_proj.requires_grad_(False)
+    patch_model(model)
+    unpatch_model(model)
+    assert experts.gate_up_proj.requires_grad and not experts.down_proj.requires_grad
 
 
 def test_expert_rank_is_the_experts_own_and_is_checkpointed():

@@ -314,8 +314,10 @@ def test_patching_twice_is_harmless(tiny, batch):
 def test_patching_again_adds_new_targets_and_unpatch_restores_everything(tiny):
     original = requires_grad_flags(tiny)
     patch_model(tiny, target_modules=["q_proj"])
+    tiny.model.norm.weight.requires_grad_(True)  # the user trains a non-target the first call froze
     patch_model(tiny, target_modules=["v_proj"])  # v_proj was frozen as a non-target by the first call
     assert {n for n, _ in patched_modules(tiny)} == expected_names(kinds=("q_proj", "v_proj"))
+    assert tiny.model.norm.weight.requires_grad  # the second call leaves flags changed since alone
     unpatch_model(tiny)
     assert requires_grad_flags(tiny) == original
 

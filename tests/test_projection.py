@@ -85,6 +85,9 @@ def test_projection_key_is_one_per_shared_input(names, shared):
     assert len({projection_key(name) for name in names}) == shared
     assert [projection_key(name, shared=False) for name in names] == [canonical_name(name) for name in names]
     assert projection_key("model.layers.3.self_attn.o_proj") == "model.layers.3.self_attn.o_proj"
+    # Pinned: the members in sorted order whichever sibling asks, so every party derives one key (and seed).
+    assert projection_key("a.v_proj") == projection_key("a.q_proj") == "a.{k_proj,q_proj,v_proj}"
+    assert projection_key("_orig_mod.m.up_proj") == "m.{gate_proj,up_proj}"
 
 
 @given(
