@@ -233,7 +233,8 @@ def test_merge_flat_partition_rejects_a_partition_outside_the_weight():
 def test_guards_and_rank_summed_scalars(tmp_path):
     """On 2 real ranks: mismatched projections fail loudly on every rank (seeds at construction, a
     differing A or update index at the next step, naming the target or the settings); a NaN in one
-    rank's sketch, or an average that overflows, skips the update on both, weights untouched, and
+    rank's sketch or in one rank's non-target gradient, or an average that overflows, skips the update
+    on both, weights untouched, and
     the next update goes through; a rank whose probe rows hold no position takes part in the probe
     (every rank raises when none has one); Shard(1) and FSDP1 are refused clearly; the predicted KL
     is the token-weighted mean over every rank's probe positions (3 vs 32 here), also when each
@@ -259,7 +260,12 @@ def test_guards_and_rank_summed_scalars(tmp_path):
         none = seen["no_rank_with_positions"]
         assert none["error"].startswith("RuntimeError") and "no rank's latest contexts" in none["error"], rank
         assert none["update_index"] == 0
-        for case in ("nan_sketch_orthogonal", "nan_sketch_rowadam", "overflow_sketch_orthogonal"):
+        for case in (
+            "nan_sketch_orthogonal",
+            "nan_sketch_rowadam",
+            "overflow_sketch_orthogonal",
+            "nan_grad_sketch_orthogonal",
+        ):
             skipped = seen[case]
             assert skipped["skips"] == 1 and skipped["unchanged"] and skipped["sketch_zero"], (rank, case, skipped)
             assert any("non-finite sketch" in message for message in skipped["warnings"]), (rank, case)

@@ -66,12 +66,22 @@ def main() -> None:
     # reaches both averages (orthogonal directions, the default, would fail in eigh on it, RowAdam
     # would merge it), and so does a sum that overflows although each rank's sketch is finite (only
     # a check after the average sees it).
-    for case, direction in (("nan", "orthogonal"), ("nan", "rowadam"), ("overflow", "orthogonal")):
+    # So does a NaN in rank 1's gradient of a trainable non-target alone (not averaged by LoGRA): only
+    # rank 1 sees it, and the ranks must still agree to skip.
+    cases = (("nan", "orthogonal"), ("nan", "rowadam"), ("overflow", "orthogonal"), ("nan_grad", "orthogonal"))
+    for case, direction in cases:
         model = frozen_model()
-        opt = LoGRAOptimizer(model, rank=4, update_ratio=1e-2, direction=direction)
+        trains_norm = {}
+        if case == "nan_grad":
+            model.model.norm.weight.requires_grad_(True)
+            trains_norm["non_target_optimizer"] = lambda params: torch.optim.SGD(params, lr=0.1)
+        opt = LoGRAOptimizer(model, rank=4, update_ratio=1e-2, direction=direction, **trains_norm)
         model(**BATCH).loss.backward()
         if case == "overflow":
             opt.sketch_buffers()[0][3] = 3e38
+        elif case == "nan_grad":
+            if rank == 1:
+                model.model.norm.weight.grad[0] = float("nan")
         elif rank == 1:
             opt.sketch_buffers()[0][3] = float("nan")
         before = [p.detach().clone() for p in model.parameters()]
