@@ -228,6 +228,8 @@ def test_local_sq_norm_is_the_sum_of_squares(d, k, dtype, transposed, seed):
 def test_merge_flat_partition_rejects_a_partition_outside_the_weight():
     with pytest.raises(ValueError, match="outside"):
         dp.merge_flat_partition_(torch.zeros(4), 10, torch.zeros(3, 1), torch.zeros(1, 4))
+    with pytest.raises(ValueError, match="outside"):
+        dp.merge_flat_partition_(torch.zeros(4), -1, torch.zeros(3, 1), torch.zeros(1, 4))
 
 
 def test_guards_and_rank_summed_scalars(tmp_path):

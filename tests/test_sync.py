@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 
 import pytest
 import torch
@@ -524,6 +525,10 @@ def test_relative_drift_estimates_the_relative_weight_difference():
     assert all(0.7 * truth < e < 1.3 * truth for e in estimates), (truth, estimates)
     assert drift(weight, 0) == 0
     assert 1e-4 < drift(weight.to(torch.bfloat16), 1) < 1e-2
+    # An all-zero trainer weight: any engine difference is infinitely far off, none is no drift.
+    zero = torch.zeros(3, dtype=torch.float64)
+    assert relative_drift(torch.tensor([0.0, 1e-9, 0.0]), zero) == math.inf
+    assert relative_drift(zero.clone(), zero) == 0.0
 
 
 @given(
