@@ -201,8 +201,6 @@ def idle_still(direction: torch.Tensor, sketch: torch.Tensor, experts: int = 1) 
     idle = ~sketch.reshape(experts, -1).any(dim=1)
     if not bool(idle.any()):
         return direction
-    if experts == 1:
-        return torch.zeros_like(direction)
     return (
         direction.reshape(experts, -1, direction.shape[-1]).masked_fill(idle.view(-1, 1, 1), 0.0).reshape_as(direction)
     )
